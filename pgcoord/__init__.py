@@ -1,0 +1,39 @@
+"""pgcoord: coordination for services using only the PostgreSQL they already write to.
+
+Importing pgcoord imports no database driver; each feature loads the driver of
+the object it is given.
+"""
+
+from ._keys import lock_key
+from .errors import (
+    Deadlock,
+    LeaseLost,
+    LockBusy,
+    LockLost,
+    LockTableFull,
+    LockTimeout,
+    PgcoordError,
+    SchemaMissing,
+    StaleFence,
+    UnsupportedConnection,
+)
+from .locks import ExclusiveLock, exclusive
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Deadlock",
+    "ExclusiveLock",
+    "LeaseLost",
+    "LockBusy",
+    "LockLost",
+    "LockTableFull",
+    "LockTimeout",
+    "PgcoordError",
+    "SchemaMissing",
+    "StaleFence",
+    "UnsupportedConnection",
+    "__version__",
+    "exclusive",
+    "lock_key",
+]

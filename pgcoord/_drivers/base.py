@@ -1,0 +1,81 @@
+"""What ``exclusive()`` needs from a driver: one transaction on one connection.
+
+Each driver module implements these for its pool and connection types. A
+session checks a connection out (or uses the one it was given), takes the lock
+either by opening a transaction or by joining the caller's one inside a
+savepoint, and ends or discards it. Driver errors pass through unchanged; the
+caller maps them by SQLSTATE.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class AsyncTxSession(ABC):
+    #: The driver's own connection object handed to the ``async with`` body.
+    conn: Any
+
+    @abstractmethod
+    async def checkout(self) -> Any: ...
+
+    @abstractmethod
+    def in_transaction(self) -> bool: ...
+
+    @abstractmethod
+    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
+        """Run one statement in a transaction of its own (not in any lock's)."""
+
+    @abstractmethod
+    async def begin_locked(self, lock_sql: str) -> None:
+        """Open a transaction and take the lock, in as few round trips as the driver allows."""
+
+    @abstractmethod
+    async def lock_in_savepoint(self, lock_sql: str) -> None:
+        """Take the lock inside the caller's transaction; on failure it stays usable."""
+
+    @abstractmethod
+    async def commit(self) -> None: ...
+
+    @abstractmethod
+    async def rollback(self) -> None: ...
+
+    @abstractmethod
+    async def discard(self) -> None:
+        """Close the connection: its state is unknown and it must not be reused."""
+
+    @abstractmethod
+    async def checkin(self) -> None:
+        """Give a checked-out connection back; nothing for a connection we were given."""
+
+
+class SyncTxSession(ABC):
+    conn: Any
+
+    @abstractmethod
+    def checkout(self) -> Any: ...
+
+    @abstractmethod
+    def in_transaction(self) -> bool: ...
+
+    @abstractmethod
+    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None: ...
+
+    @abstractmethod
+    def begin_locked(self, lock_sql: str) -> None: ...
+
+    @abstractmethod
+    def lock_in_savepoint(self, lock_sql: str) -> None: ...
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def rollback(self) -> None: ...
+
+    @abstractmethod
+    def discard(self) -> None: ...
+
+    @abstractmethod
+    def checkin(self) -> None: ...

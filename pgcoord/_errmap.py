@@ -1,0 +1,36 @@
+"""Mapping driver errors to pgcoord's, by SQLSTATE and never by message text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+SQLSTATE_LOCK_BUSY = "PC001"        # raised by sql/queries.sql advisory_try
+SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
+SQLSTATE_DEADLOCK = "40P01"
+SQLSTATE_OUT_OF_SHARED_MEMORY = "53200"
+SQLSTATE_UNDEFINED_TABLE = "42P01"
+SQLSTATE_INVALID_SCHEMA = "3F000"
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what SQLAlchemy wraps (``.orig``) and what it was caused by."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        orig = getattr(e, "orig", None)
+        todo += [e.__cause__, orig if isinstance(orig, BaseException) else None]
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error from asyncpg, psycopg or SQLAlchemy, if any."""
+    for e in _chain(exc):
+        for attr in ("sqlstate", "pgcode"):
+            code = getattr(e, attr, None)
+            if isinstance(code, str) and len(code) == 5:
+                return code
+    return None

@@ -1,0 +1,39 @@
+"""Lock keys: the one mapping from user keys to PostgreSQL's bigint advisory keys.
+
+The string scheme is part of the public contract and is stable forever: the first
+8 bytes of SHA-256 of the UTF-8 name, read big-endian as a signed 64-bit integer.
+The SQL function ``pgcoord.lock_key(text)`` computes the same number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+LockKeyLike = int | str
+
+
+def lock_key(key: LockKeyLike) -> int:
+    """Return the bigint advisory-lock key for ``key``.
+
+    An ``int`` is range-checked and returned unchanged; a ``str`` is hashed.
+    ``bool`` is refused even though it is an ``int``: ``True`` as a lock key is
+    almost always a bug.
+    """
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise TypeError(
+            f"lock key must be an int or a str, not {type(key).__name__}"
+        )
+    if isinstance(key, int):
+        if not INT64_MIN <= key <= INT64_MAX:
+            raise ValueError(f"lock key {key} is outside the signed 64-bit range")
+        return key
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def key_and_name(key: LockKeyLike) -> tuple[int, str | None]:
+    """Normalise ``key`` and keep its name when it has one."""
+    return lock_key(key), key if isinstance(key, str) else None

@@ -1,0 +1,269 @@
+"""``exclusive()``: a transaction-scoped advisory lock, atomic with the caller's writes.
+
+The lock is ``pg_advisory_xact_lock`` (or its shared or ``try`` form), so the
+server releases it at commit or rollback and a crashed process can never leave
+it behind. Timeouts are the server's ``lock_timeout``, never client polling.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from types import TracebackType
+from typing import Any, NoReturn
+
+from . import _errmap
+from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from ._drivers import tx_session
+from ._drivers.base import AsyncTxSession, SyncTxSession
+from ._keys import LockKeyLike, key_and_name
+from ._queries import query
+from .errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
+
+__all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
+
+log = logging.getLogger("pgcoord.locks")
+
+# Names recorded in pgcoord.lock_names by this process. Recording is best effort
+# and happens once per name, so later uses cost no extra round trip.
+_recorded_names: set[int] = set()
+
+
+class LockRequest:
+    """What to lock and how: validated once, rendered to one SQL statement."""
+
+    __slots__ = ("key", "name", "shared", "sql", "timeout", "wait")
+
+    def __init__(
+        self, key: LockKeyLike, *, wait: bool, timeout: float | None, shared: bool,
+        scope: str = "xact",
+    ) -> None:
+        self.key, self.name = key_and_name(key)
+        if not isinstance(wait, bool):
+            raise TypeError("wait must be a bool")
+        if not isinstance(shared, bool):
+            raise TypeError("shared must be a bool")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+            if not math.isfinite(timeout) or timeout < 0:
+                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+            if not wait:
+                raise ValueError("timeout has no meaning with wait=False")
+        self.wait, self.timeout, self.shared = wait, timeout, shared
+        fn = "pg_advisory" + ("_xact" if scope == "xact" else "") + "_lock"
+        if shared:
+            fn += "_shared"
+        if not wait or timeout == 0:
+            self.sql = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=self.key)
+        elif timeout is None:
+            self.sql = query("advisory_wait").format(fn=fn, key=self.key)
+        else:
+            timeout_ms = max(1, math.ceil(timeout * 1000))
+            self.sql = query("advisory_timeout").format(fn=fn, key=self.key, timeout_ms=timeout_ms)
+
+    def describe(self) -> str:
+        return repr(self.name) if self.name is not None else str(self.key)
+
+    def translate(self, exc: BaseException) -> PgcoordError | None:
+        """The pgcoord error for a driver error raised while taking this lock."""
+        code = _errmap.sqlstate(exc)
+        if code == _errmap.SQLSTATE_LOCK_BUSY:
+            if self.timeout == 0:
+                return LockTimeout(f"advisory lock {self.describe()} not granted within 0s")
+            return LockBusy(f"advisory lock {self.describe()} is held by another session")
+        if code == _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+            within = f" within {self.timeout}s" if self.timeout is not None else ""
+            return LockTimeout(f"advisory lock {self.describe()} not granted{within} (lock_timeout)")
+        if code == _errmap.SQLSTATE_DEADLOCK:
+            return Deadlock(f"deadlock detected while waiting for advisory lock {self.describe()}")
+        if code == _errmap.SQLSTATE_OUT_OF_SHARED_MEMORY:
+            return LockTableFull()
+        return None
+
+    def raise_translated(self, exc: BaseException) -> NoReturn:
+        mapped = self.translate(exc)
+        if mapped is None:
+            raise exc
+        raise mapped from exc
+
+
+def exclusive(
+    source: Any, key: LockKeyLike, *, wait: bool = True, timeout: float | None = None,
+    shared: bool = False,
+) -> ExclusiveLock:
+    """A transaction-scoped advisory lock on ``key``; see DESIGN §1.
+
+    ``async with`` for asyncpg, psycopg async and SQLAlchemy async sources,
+    ``with`` for psycopg and SQLAlchemy sync sources. Yields the driver's own
+    connection inside an open transaction that also holds the lock.
+    """
+    return ExclusiveLock(source, LockRequest(key, wait=wait, timeout=timeout, shared=shared))
+
+
+class ExclusiveLock:
+    """The context manager returned by :func:`exclusive`. Single use at a time."""
+
+    def __init__(self, source: Any, request: LockRequest) -> None:
+        tx_session_check(source)
+        self._source = source
+        self.request = request
+        self._session: AsyncTxSession | SyncTxSession | None = None
+        self._joined = False
+        #: Seconds spent waiting for the grant, set on entry (for metrics and logs).
+        self.wait_seconds: float | None = None
+
+    def _start(self, *, want_async: bool) -> Any:
+        if self._session is not None:
+            raise RuntimeError("this pgcoord.exclusive() is already entered; create one per use")
+        session = tx_session(self._source, want_async=want_async)
+        self._session = session
+        return session
+
+    def _needs_name_record(self) -> bool:
+        return (
+            self.request.name is not None and not self._joined
+            and self.request.key not in _recorded_names
+        )
+
+    def _name_recorded(self) -> None:
+        _recorded_names.add(self.request.key)
+
+    # -- async -----------------------------------------------------------------
+
+    async def __aenter__(self) -> Any:
+        session = self._start(want_async=True)
+        assert isinstance(session, AsyncTxSession)
+        conn = await session.checkout()
+        started = time.monotonic()
+        try:
+            self._joined = session.in_transaction()
+            if self._needs_name_record():
+                await self._record_name_async(session)
+            if self._joined:
+                await session.lock_in_savepoint(self.request.sql)
+            else:
+                await session.begin_locked(self.request.sql)
+        except BaseException as exc:
+            await finish_despite_cancel(self._abort_async(session))
+            self.request.raise_translated(exc)
+        self.wait_seconds = time.monotonic() - started
+        return conn
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        session, self._session = self._session, None
+        assert isinstance(session, AsyncTxSession)
+        if self._joined:
+            return  # the lock belongs to the caller's transaction
+        if exc_type is not None:
+            await finish_despite_cancel(self._abort_async(session))
+            return
+        try:
+            await session.commit()
+        except BaseException:
+            await finish_despite_cancel(self._abort_async(session))
+            raise
+        await finish_despite_cancel(session.checkin())
+
+    async def _record_name_async(self, session: AsyncTxSession) -> None:
+        assert self.request.name is not None
+        try:
+            await session.run_autocommit(
+                query("lock_names_record"), (self.request.key, self.request.name)
+            )
+        except Exception as exc:  # best effort: missing schema, no privilege, read-only
+            log.debug("lock name %r not recorded: %s", self.request.name, exc)
+        self._name_recorded()
+
+    async def _abort_async(self, session: AsyncTxSession) -> None:
+        """Roll back (never joined) and give the connection back, or discard it."""
+        self._session = None
+        try:
+            if not self._joined:
+                try:
+                    async with _timeout(CLEANUP_TIMEOUT):
+                        await session.rollback()
+                except BaseException as exc:
+                    log.warning("discarding connection after failed rollback: %r", exc)
+                    await session.discard()
+        finally:
+            await session.checkin()
+
+    # -- sync ------------------------------------------------------------------
+
+    def __enter__(self) -> Any:
+        session = self._start(want_async=False)
+        assert isinstance(session, SyncTxSession)
+        conn = session.checkout()
+        started = time.monotonic()
+        try:
+            self._joined = session.in_transaction()
+            if self._needs_name_record():
+                self._record_name_sync(session)
+            if self._joined:
+                session.lock_in_savepoint(self.request.sql)
+            else:
+                session.begin_locked(self.request.sql)
+        except BaseException as exc:
+            self._abort_sync(session)
+            self.request.raise_translated(exc)
+        self.wait_seconds = time.monotonic() - started
+        return conn
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        session, self._session = self._session, None
+        assert isinstance(session, SyncTxSession)
+        if self._joined:
+            return
+        if exc_type is not None:
+            self._abort_sync(session)
+            return
+        try:
+            session.commit()
+        except BaseException:
+            self._abort_sync(session)
+            raise
+        session.checkin()
+
+    def _record_name_sync(self, session: SyncTxSession) -> None:
+        assert self.request.name is not None
+        try:
+            session.run_autocommit(
+                query("lock_names_record"), (self.request.key, self.request.name)
+            )
+        except Exception as exc:
+            log.debug("lock name %r not recorded: %s", self.request.name, exc)
+        self._name_recorded()
+
+    def _abort_sync(self, session: SyncTxSession) -> None:
+        self._session = None
+        try:
+            if not self._joined:
+                try:
+                    session.rollback()
+                except BaseException as exc:
+                    log.warning("discarding connection after failed rollback: %r", exc)
+                    session.discard()
+        finally:
+            session.checkin()
+
+
+def tx_session_check(source: Any) -> None:
+    """Refuse an unusable source at the call, before any ``with``."""
+    try:
+        tx_session(source, want_async=True)
+    except TypeError:
+        pass  # usable, but synchronous: the ``with`` form decides
+
+
+def _timeout(seconds: float) -> Any:
+    import asyncio
+
+    return asyncio.timeout(seconds)

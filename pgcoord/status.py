@@ -1,0 +1,109 @@
+"""``pgcoord status``: the operators' view of ``pgcoord.holders``."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import shutil
+import time
+from typing import Any
+
+from ._errmap import SQLSTATE_INVALID_SCHEMA, SQLSTATE_UNDEFINED_TABLE, sqlstate
+from ._queries import query
+from .errors import SchemaMissing
+
+Row = dict[str, Any]
+
+
+def fetch_holders(dsn: str) -> list[Row]:
+    """Rows of ``pgcoord.holders``, with the driver that is installed."""
+    try:
+        try:
+            import psycopg
+            from psycopg.rows import dict_row
+        except ImportError:
+            return asyncio.run(_fetch_asyncpg(dsn))
+        with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status") as conn:
+            return list(conn.cursor(row_factory=dict_row).execute(query("holders_list")))
+    except Exception as exc:
+        if sqlstate(exc) in (SQLSTATE_UNDEFINED_TABLE, SQLSTATE_INVALID_SCHEMA):
+            raise SchemaMissing() from exc
+        raise
+
+
+async def _fetch_asyncpg(dsn: str) -> list[Row]:
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn, server_settings={"application_name": "pgcoord status"})
+    try:
+        return [dict(r) for r in await conn.fetch(query("holders_list"))]
+    finally:
+        await conn.close()
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+COLUMNS = (("KIND", 8), ("NAME", 22), ("HOLDER", 16), ("PID", 7), ("STATE", 8),
+           ("AGE", 6), ("EXPIRES", 7))
+
+
+def format_table(rows: list[Row], width: int = 80) -> str:
+    """A table that fits ``width`` columns; the name column takes what is left."""
+    fixed = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1 - COLUMNS[1][1]
+    name_width = max(12, width - fixed)
+    widths = [name_width if title == "NAME" else w for title, w in COLUMNS]
+    lines = [" ".join(title.ljust(w) for (title, _), w in zip(COLUMNS, widths, strict=True))]
+    for r in rows:
+        name = r["name"] if r["name"] is not None else f"#{r['key']}"
+        if r.get("fence") is not None:
+            name = f"{name} fence={r['fence']}"
+        state = "held" if r["granted"] else "waiting"
+        if not r["granted"] and r.get("blocked_by"):
+            state = "waits"
+        cells = [
+            r["kind"], name, r["holder"] or "-", str(r["pid"] or "-"), state,
+            _age(r.get("age_seconds")),
+            _age(r.get("expires_in_seconds")) if r.get("expires_at") else "-",
+        ]
+        lines.append(" ".join(_clip(str(c), w).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        if not r["granted"] and r.get("blocked_by"):
+            lines.append(" " * (widths[0] + 1) + _clip(
+                "  blocked by pid " + ", ".join(map(str, r["blocked_by"])), width - widths[0] - 1))
+    if not rows:
+        lines.append("(nobody holds or waits for anything)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return value
+
+
+def run_status(dsn: str, *, watch: float | None = None, as_json: bool = False) -> int:
+    while True:
+        rows = fetch_holders(dsn)
+        if as_json:
+            print(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows], indent=2))
+        else:
+            if watch:
+                print("\x1b[2J\x1b[H", end="")
+            width = min(shutil.get_terminal_size((80, 24)).columns, 120)
+            print(format_table(rows, width))
+        if not watch:
+            return 0
+        time.sleep(watch)
