@@ -135,7 +135,7 @@ def run_sql_file(filename: str) -> None:
 def _config(target: str | Connection | None, output: TextIO | None = None) -> Config:
     from alembic.config import Config
 
-    cfg = Config(stdout=output or sys.stdout)
+    cfg = Config(output_buffer=output or sys.stdout, stdout=output or sys.stdout)
     cfg.set_main_option("script_location", str(migrations_dir()))
     if isinstance(target, str):
         cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(target).replace("%", "%%"))

@@ -71,8 +71,11 @@ class AsyncpgSession(AsyncTxSession):
         raw = _raw(self.conn)
         if tx is not None and raw._top_xact is tx:
             await tx.rollback()
-        elif self.conn.is_in_transaction():
-            # BEGIN;lock failed before the transaction was registered.
+        else:
+            # BEGIN;lock failed or was cancelled before the transaction was
+            # registered. The status asyncpg reports may predate the BEGIN while
+            # a cancellation is still in flight, so roll back unconditionally:
+            # outside a transaction ROLLBACK only warns.
             await self.conn.execute("ROLLBACK")
 
     async def discard(self) -> None:

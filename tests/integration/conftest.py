@@ -1,0 +1,104 @@
+"""A real PostgreSQL for the integration tests.
+
+By default the tests start a throwaway server from the binaries on the machine
+(as the ``postgres`` user when run as root, since initdb refuses root). Set
+PGCOORD_TEST_DSN to a superuser URL of an existing server to use that instead.
+No test skips for lack of a server: a missing server is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql.janitor import DatabaseJanitor
+
+import pgcoord.migrations
+from pgcoord._embedded import EmbeddedServer
+
+
+@dataclass
+class Server:
+    """Where the test server is and how to reach a database on it."""
+
+    params: dict[str, str]
+    embedded: EmbeddedServer | None
+
+    def dsn(self, dbname: str) -> str:
+        p = dict(self.params)
+        p["dbname"] = dbname
+        user = p.get("user", "postgres")
+        auth = user + (f":{p['password']}" if p.get("password") else "")
+        return f"postgresql://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', '5432')}/{dbname}"
+
+    def janitor(self, dbname: str) -> DatabaseJanitor:
+        return DatabaseJanitor(
+            user=self.params.get("user", "postgres"), host=self.params.get("host", "127.0.0.1"),
+            port=self.params.get("port", "5432"), password=self.params.get("password"),
+            dbname=dbname,
+        )
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Server]:
+    external = os.environ.get("PGCOORD_TEST_DSN")
+    if external:
+        params = {k: str(v) for k, v in conninfo_to_dict(external).items()}
+        with psycopg.connect(make_conninfo(external)) as conn:
+            conn.execute("select 1")
+        yield Server(params, None)
+        return
+    server = EmbeddedServer().start()
+    try:
+        yield Server({"host": "127.0.0.1", "port": str(server.port), "user": "postgres"}, server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def dsn(pg_server: Server) -> Iterator[str]:
+    """A database with pgcoord's schema at head, shared by the session."""
+    dbname = f"pgcoord_test_{uuid.uuid4().hex[:8]}"
+    janitor = pg_server.janitor(dbname)
+    janitor.init()
+    url = pg_server.dsn(dbname)
+    pgcoord.migrations.upgrade(url)
+    try:
+        yield url
+    finally:
+        janitor.drop()
+
+
+@pytest.fixture
+def fresh_db(pg_server: Server) -> Iterator[str]:
+    """An empty database of its own, dropped afterwards."""
+    dbname = f"pgcoord_fresh_{uuid.uuid4().hex[:8]}"
+    janitor = pg_server.janitor(dbname)
+    janitor.init()
+    try:
+        yield pg_server.dsn(dbname)
+    finally:
+        janitor.drop()
+
+
+def advisory_locks(dsn: str) -> list[tuple[int, int, bool]]:
+    """(pid, key, granted) for every advisory lock in the database of ``dsn``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "select pid, (classid::bigint << 32) | objid::bigint, granted from pg_locks"
+            " where locktype = 'advisory' and database ="
+            " (select oid from pg_database where datname = current_database())"
+            " and pid <> pg_backend_pid()"
+        ).fetchall()
+
+
+@pytest.fixture
+def locks_in(dsn: str) -> Iterator[None]:
+    """Fails the test if it leaves any advisory lock behind."""
+    yield
+    assert advisory_locks(dsn) == []
