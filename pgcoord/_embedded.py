@@ -51,7 +51,7 @@ def find_bindir() -> Path:
     versioned = glob.glob("/usr/lib/postgresql/*/bin")
     versioned.sort(key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
                    reverse=True)
-    candidates += versioned + ["/usr/local/pgsql/bin"]
+    candidates += [*versioned, "/usr/local/pgsql/bin"]
     for cand in candidates:
         d = Path(cand)
         if all((d / exe).is_file() for exe in ("initdb", "postgres", "pg_isready")):

@@ -7,6 +7,7 @@ it behind. Timeouts are the server's ``lock_timeout``, never client polling.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 
 from . import _errmap
 from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
-from ._drivers import tx_session
+from ._drivers import check_source, tx_session
 from ._drivers.base import AsyncTxSession, SyncTxSession
 from ._keys import LockKeyLike, key_and_name
 from ._queries import query
@@ -77,7 +78,9 @@ class LockRequest:
             within = f" within {self.timeout}s" if self.timeout is not None else ""
             return LockTimeout(f"advisory lock {self.describe()} not granted{within} (lock_timeout)")
         if code == _errmap.SQLSTATE_DEADLOCK:
-            return Deadlock(f"deadlock detected while waiting for advisory lock {self.describe()}")
+            return Deadlock(
+                f"deadlock detected while waiting for advisory lock {self.describe()}"
+            )
         if code == _errmap.SQLSTATE_OUT_OF_SHARED_MEMORY:
             return LockTableFull()
         return None
@@ -106,7 +109,7 @@ class ExclusiveLock:
     """The context manager returned by :func:`exclusive`. Single use at a time."""
 
     def __init__(self, source: Any, request: LockRequest) -> None:
-        tx_session_check(source)
+        check_source(source)
         self._source = source
         self.request = request
         self._session: AsyncTxSession | SyncTxSession | None = None
@@ -185,7 +188,7 @@ class ExclusiveLock:
         try:
             if not self._joined:
                 try:
-                    async with _timeout(CLEANUP_TIMEOUT):
+                    async with asyncio.timeout(CLEANUP_TIMEOUT):
                         await session.rollback()
                 except BaseException as exc:
                     log.warning("discarding connection after failed rollback: %r", exc)
@@ -255,15 +258,3 @@ class ExclusiveLock:
             session.checkin()
 
 
-def tx_session_check(source: Any) -> None:
-    """Refuse an unusable source at the call, before any ``with``."""
-    try:
-        tx_session(source, want_async=True)
-    except TypeError:
-        pass  # usable, but synchronous: the ``with`` form decides
-
-
-def _timeout(seconds: float) -> Any:
-    import asyncio
-
-    return asyncio.timeout(seconds)

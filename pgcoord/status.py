@@ -79,7 +79,8 @@ def format_table(rows: list[Row], width: int = 80) -> str:
             _age(r.get("age_seconds")),
             _age(r.get("expires_in_seconds")) if r.get("expires_at") else "-",
         ]
-        lines.append(" ".join(_clip(str(c), w).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        padded = (_clip(str(c), w).ljust(w) for c, w in zip(cells, widths, strict=True))
+        lines.append(" ".join(padded).rstrip())
         if not r["granted"] and r.get("blocked_by"):
             lines.append(" " * (widths[0] + 1) + _clip(
                 "  blocked by pid " + ", ".join(map(str, r["blocked_by"])), width - widths[0] - 1))

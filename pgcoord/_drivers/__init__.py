@@ -30,49 +30,46 @@ def _describe(source: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSession:
-    """A transaction session for ``source``; ``TypeError`` if used with the wrong ``with``."""
+def _session_class(source: Any) -> tuple[type[AsyncTxSession] | type[SyncTxSession], bool]:
+    """The session class for ``source`` and whether it is asynchronous."""
     driver = _driver_of(source)
-    is_async: bool | None = None
-    session: AsyncTxSession | SyncTxSession | None = None
     if driver == "asyncpg":
-        from . import asyncpg as mod
+        from . import asyncpg as amod
 
-        if isinstance(source, mod.POOL_TYPES + mod.CONNECTION_TYPES):
-            is_async = True
-            if want_async:
-                session = mod.AsyncpgSession(source)
+        if isinstance(source, amod.POOL_TYPES + amod.CONNECTION_TYPES):
+            return amod.AsyncpgSession, True
     elif driver == "psycopg":
         from . import psycopg as pmod
 
         if isinstance(source, pmod.ASYNC_POOL_TYPES + pmod.ASYNC_CONNECTION_TYPES):
-            is_async = True
-            if want_async:
-                session = pmod.AsyncPsycopgSession(source)
-        elif isinstance(source, pmod.SYNC_POOL_TYPES + pmod.SYNC_CONNECTION_TYPES):
-            is_async = False
-            if not want_async:
-                session = pmod.SyncPsycopgSession(source)
+            return pmod.AsyncPsycopgSession, True
+        if isinstance(source, pmod.SYNC_POOL_TYPES + pmod.SYNC_CONNECTION_TYPES):
+            return pmod.SyncPsycopgSession, False
     elif driver == "sqlalchemy":
         from . import sqlalchemy as smod
 
         if isinstance(source, smod.ASYNC_TYPES):
-            is_async = True
-            if want_async:
-                session = smod.AsyncSQLAlchemySession(source)
-        elif isinstance(source, smod.SYNC_TYPES):
-            is_async = False
-            if not want_async:
-                session = smod.SyncSQLAlchemySession(source)
-    if session is not None:
-        return session
-    if is_async is True:
+            return smod.AsyncSQLAlchemySession, True
+        if isinstance(source, smod.SYNC_TYPES):
+            return smod.SyncSQLAlchemySession, False
+    raise UnsupportedConnection(f"pgcoord cannot use {_describe(source)}; expected {_ACCEPTED}")
+
+
+def check_source(source: Any) -> None:
+    """Raise ``UnsupportedConnection`` now for an object no driver adapter accepts."""
+    _session_class(source)
+
+
+def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSession:
+    """A transaction session for ``source``; ``TypeError`` if used with the wrong ``with``."""
+    cls, is_async = _session_class(source)
+    if is_async and not want_async:
         raise TypeError(
             f"{_describe(source)} is asynchronous: use `async with pgcoord.exclusive(...)`"
         )
-    if is_async is False:
+    if want_async and not is_async:
         raise TypeError(
             f"{_describe(source)} is synchronous: use `with pgcoord.exclusive(...)`, "
             "not `async with`"
         )
-    raise UnsupportedConnection(f"pgcoord cannot use {_describe(source)}; expected {_ACCEPTED}")
+    return cls(source)

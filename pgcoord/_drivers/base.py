@@ -18,6 +18,9 @@ class AsyncTxSession(ABC):
     conn: Any
 
     @abstractmethod
+    def __init__(self, source: Any) -> None: ...
+
+    @abstractmethod
     async def checkout(self) -> Any: ...
 
     @abstractmethod
@@ -52,6 +55,9 @@ class AsyncTxSession(ABC):
 
 class SyncTxSession(ABC):
     conn: Any
+
+    @abstractmethod
+    def __init__(self, source: Any) -> None: ...
 
     @abstractmethod
     def checkout(self) -> Any: ...

@@ -39,7 +39,7 @@ def _in_transaction(conn: Any) -> bool:
 
 class AsyncPsycopgSession(AsyncTxSession):
     def __init__(self, source: Any) -> None:
-        self._pool = source if isinstance(source, ASYNC_POOL_TYPES) else None
+        self._pool: Any = source if isinstance(source, ASYNC_POOL_TYPES) else None
         self.conn: psycopg.AsyncConnection[Any] | None = None if self._pool else source
         self._tx = contextlib.AsyncExitStack()
 
@@ -100,7 +100,7 @@ class AsyncPsycopgSession(AsyncTxSession):
 
 class SyncPsycopgSession(SyncTxSession):
     def __init__(self, source: Any) -> None:
-        self._pool = source if isinstance(source, SYNC_POOL_TYPES) else None
+        self._pool: Any = source if isinstance(source, SYNC_POOL_TYPES) else None
         self.conn: psycopg.Connection[Any] | None = None if self._pool else source
         self._tx = contextlib.ExitStack()
 
