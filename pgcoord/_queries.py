@@ -8,7 +8,7 @@ rewritten for drivers that spell them differently.
 from __future__ import annotations
 
 import re
-from functools import cache
+from functools import cache, lru_cache
 
 from ._resources import read_sql
 
@@ -42,6 +42,7 @@ def query(name: str) -> str:
     return _all()[name]
 
 
+@lru_cache(maxsize=512)
 def to_pyformat(sql: str) -> str:
     """``$1`` -> ``%s`` (psycopg). Parameters must appear in order, once each."""
     seen = [int(n) for n in _DOLLAR_PARAM.findall(sql)]
@@ -50,6 +51,7 @@ def to_pyformat(sql: str) -> str:
     return _DOLLAR_PARAM.sub("%s", sql)
 
 
+@lru_cache(maxsize=512)
 def to_named(sql: str) -> str:
     """``$1`` -> ``:p1`` (SQLAlchemy ``text()``)."""
     return _DOLLAR_PARAM.sub(r":p\1", sql)

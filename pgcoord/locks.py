@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from . import _errmap
 from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
 from ._drivers import check_source, tx_session
-from ._drivers.base import AsyncTxSession, SyncTxSession
+from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
 from ._keys import LockKeyLike, key_and_name
 from ._queries import query
 from .errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
@@ -34,7 +34,7 @@ _recorded_names: set[int] = set()
 class LockRequest:
     """What to lock and how: validated once, rendered to one SQL statement."""
 
-    __slots__ = ("key", "name", "shared", "sql", "timeout", "wait")
+    __slots__ = ("key", "name", "shared", "statement", "timeout", "wait")
 
     def __init__(
         self, key: LockKeyLike, *, wait: bool, timeout: float | None, shared: bool,
@@ -57,12 +57,18 @@ class LockRequest:
         if shared:
             fn += "_shared"
         if not wait or timeout == 0:
-            self.sql = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=self.key)
+            inline = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=self.key)
+            self.statement = LockStatement(inline, inline, ())
         elif timeout is None:
-            self.sql = query("advisory_wait").format(fn=fn, key=self.key)
+            self.statement = LockStatement(
+                query("advisory_wait").format(fn=fn, key=self.key),
+                query("advisory_wait_bound").format(fn=fn),
+                (self.key,),
+            )
         else:
             timeout_ms = max(1, math.ceil(timeout * 1000))
-            self.sql = query("advisory_timeout").format(fn=fn, key=self.key, timeout_ms=timeout_ms)
+            inline = query("advisory_timeout").format(fn=fn, key=self.key, timeout_ms=timeout_ms)
+            self.statement = LockStatement(inline, inline, ())
 
     def describe(self) -> str:
         return repr(self.name) if self.name is not None else str(self.key)
@@ -145,9 +151,9 @@ class ExclusiveLock:
             if self._needs_name_record():
                 await self._record_name_async(session)
             if self._joined:
-                await session.lock_in_savepoint(self.request.sql)
+                await session.lock_in_savepoint(self.request.statement)
             else:
-                await session.begin_locked(self.request.sql)
+                await session.begin_locked(self.request.statement)
         except BaseException as exc:
             await finish_despite_cancel(self._abort_async(session))
             self.request.raise_translated(exc)
@@ -208,9 +214,9 @@ class ExclusiveLock:
             if self._needs_name_record():
                 self._record_name_sync(session)
             if self._joined:
-                session.lock_in_savepoint(self.request.sql)
+                session.lock_in_savepoint(self.request.statement)
             else:
-                session.begin_locked(self.request.sql)
+                session.begin_locked(self.request.statement)
         except BaseException as exc:
             self._abort_sync(session)
             self.request.raise_translated(exc)

@@ -7,6 +7,11 @@
 -- name: advisory_wait
 SELECT pg_catalog.{fn}({key})
 
+-- name: advisory_wait_bound
+-- The same with the key bound, for drivers that prepare repeated statements
+-- (psycopg, SQLAlchemy): one plan serves every key.
+SELECT pg_catalog.{fn}($1)
+
 -- name: advisory_try
 -- The try form raises instead of returning false so that it can share a round
 -- trip with BEGIN in one simple-protocol message.

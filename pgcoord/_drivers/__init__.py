@@ -32,6 +32,17 @@ def _describe(source: object) -> str:
 
 def _session_class(source: Any) -> tuple[type[AsyncTxSession] | type[SyncTxSession], bool]:
     """The session class for ``source`` and whether it is asynchronous."""
+    found = _by_type.get(type(source))
+    if found is None:
+        found = _by_type[type(source)] = _classify(source)
+    return found
+
+
+# Classification walks the MRO and may import a driver module: once per type.
+_by_type: dict[type, tuple[type[AsyncTxSession] | type[SyncTxSession], bool]] = {}
+
+
+def _classify(source: Any) -> tuple[type[AsyncTxSession] | type[SyncTxSession], bool]:
     driver = _driver_of(source)
     if driver == "asyncpg":
         from . import asyncpg as amod

@@ -8,7 +8,7 @@ import asyncpg
 import asyncpg.pool
 from asyncpg.transaction import Transaction, TransactionState
 
-from .base import AsyncTxSession
+from .base import AsyncTxSession, LockStatement
 
 CONNECTION_TYPES = (asyncpg.Connection, asyncpg.pool.PoolConnectionProxy)
 POOL_TYPES = (asyncpg.Pool,)
@@ -41,14 +41,14 @@ class AsyncpgSession(AsyncTxSession):
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
         await self.conn.execute(sql, *params)
 
-    async def begin_locked(self, lock_sql: str) -> None:
+    async def begin_locked(self, lock: LockStatement) -> None:
         if not _can_adopt(self.conn):
             self._tx = self.conn.transaction()
             await self._tx.start()
-            await self.conn.execute(lock_sql)
+            await self.conn.execute(lock.bound, *lock.params)
             return
         # One simple-protocol message: BEGIN and the lock share a round trip.
-        await self.conn.execute(f"BEGIN;{lock_sql}")
+        await self.conn.execute(f"BEGIN;{lock.inline}")
         # asyncpg only lets Connection.transaction() nest (as savepoints) inside
         # a transaction it started itself, so register this one as its own:
         # the body can then use conn.transaction() normally.
@@ -57,9 +57,9 @@ class AsyncpgSession(AsyncTxSession):
         _raw(self.conn)._top_xact = tx
         self._tx = tx
 
-    async def lock_in_savepoint(self, lock_sql: str) -> None:
+    async def lock_in_savepoint(self, lock: LockStatement) -> None:
         async with self.conn.transaction():
-            await self.conn.execute(lock_sql)
+            await self.conn.execute(lock.bound, *lock.params)
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None

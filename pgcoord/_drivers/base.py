@@ -10,7 +10,23 @@ caller maps them by SQLSTATE.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class LockStatement:
+    """One lock statement in the two spellings drivers prefer.
+
+    ``inline`` has the key written in, for one simple-protocol message (asyncpg
+    sends it together with BEGIN). ``bound`` takes the key as ``$1`` where the
+    statement allows parameters, so drivers that prepare repeated statements
+    reuse one plan; DO blocks take none, and then ``bound == inline``.
+    """
+
+    inline: str
+    bound: str
+    params: tuple[int, ...]
 
 
 class AsyncTxSession(ABC):
@@ -31,11 +47,11 @@ class AsyncTxSession(ABC):
         """Run one statement in a transaction of its own (not in any lock's)."""
 
     @abstractmethod
-    async def begin_locked(self, lock_sql: str) -> None:
+    async def begin_locked(self, lock: LockStatement) -> None:
         """Open a transaction and take the lock, in as few round trips as the driver allows."""
 
     @abstractmethod
-    async def lock_in_savepoint(self, lock_sql: str) -> None:
+    async def lock_in_savepoint(self, lock: LockStatement) -> None:
         """Take the lock inside the caller's transaction; on failure it stays usable."""
 
     @abstractmethod
@@ -69,10 +85,10 @@ class SyncTxSession(ABC):
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None: ...
 
     @abstractmethod
-    def begin_locked(self, lock_sql: str) -> None: ...
+    def begin_locked(self, lock: LockStatement) -> None: ...
 
     @abstractmethod
-    def lock_in_savepoint(self, lock_sql: str) -> None: ...
+    def lock_in_savepoint(self, lock: LockStatement) -> None: ...
 
     @abstractmethod
     def commit(self) -> None: ...

@@ -12,7 +12,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransaction
 
 from .._queries import to_named
-from .base import AsyncTxSession, SyncTxSession
+from .base import AsyncTxSession, LockStatement, SyncTxSession
 
 ASYNC_TYPES = (AsyncEngine, AsyncConnection)
 SYNC_TYPES = (Engine, Connection)
@@ -42,15 +42,15 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         async with self.conn.begin():
             await self.conn.execute(text(to_named(sql)), _named_params(params))
 
-    async def begin_locked(self, lock_sql: str) -> None:
+    async def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
         self._tx = await self.conn.begin()
-        await self.conn.exec_driver_sql(lock_sql)
+        await self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
 
-    async def lock_in_savepoint(self, lock_sql: str) -> None:
+    async def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         async with self.conn.begin_nested():
-            await self.conn.exec_driver_sql(lock_sql)
+            await self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -93,15 +93,15 @@ class SyncSQLAlchemySession(SyncTxSession):
         with self.conn.begin():
             self.conn.execute(text(to_named(sql)), _named_params(params))
 
-    def begin_locked(self, lock_sql: str) -> None:
+    def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
         self._tx = self.conn.begin()
-        self.conn.exec_driver_sql(lock_sql)
+        self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
 
-    def lock_in_savepoint(self, lock_sql: str) -> None:
+    def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         with self.conn.begin_nested():
-            self.conn.exec_driver_sql(lock_sql)
+            self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
 
     def commit(self) -> None:
         tx, self._tx = self._tx, None

@@ -1,0 +1,21 @@
+"""Where benchmarks run: a DSN from PGCOORD_BENCH_DSN, else a throwaway server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pgcoord.migrations
+from pgcoord._embedded import EmbeddedServer
+
+
+@contextlib.contextmanager
+def bench_database() -> Iterator[tuple[str, EmbeddedServer | None]]:
+    if dsn := os.environ.get("PGCOORD_BENCH_DSN"):
+        pgcoord.migrations.upgrade(dsn)
+        yield dsn, None
+        return
+    with EmbeddedServer() as server:
+        pgcoord.migrations.upgrade(server.dsn)
+        yield server.dsn, server
