@@ -176,7 +176,10 @@ class ExclusiveLock:
         except BaseException:
             await finish_despite_cancel(self._abort_async(session))
             raise
-        await finish_despite_cancel(session.checkin())
+        if session.checkin_shielded_by_driver:
+            await session.checkin()
+        else:
+            await finish_despite_cancel(session.checkin())
 
     async def _record_name_async(self, session: AsyncTxSession) -> None:
         assert self.request.name is not None

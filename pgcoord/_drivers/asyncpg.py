@@ -25,6 +25,9 @@ def _can_adopt(conn: Any) -> bool:
 
 
 class AsyncpgSession(AsyncTxSession):
+    # Pool.release() runs under asyncio.shield inside asyncpg.
+    checkin_shielded_by_driver = True
+
     def __init__(self, source: Any) -> None:
         self._pool: asyncpg.Pool | None = source if isinstance(source, POOL_TYPES) else None
         self.conn = None if self._pool is not None else source

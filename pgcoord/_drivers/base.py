@@ -32,6 +32,9 @@ class LockStatement:
 class AsyncTxSession(ABC):
     #: The driver's own connection object handed to the ``async with`` body.
     conn: Any
+    #: True when the driver's own give-back already survives cancellation, so
+    #: pgcoord need not shield it (a shield costs a task per acquire).
+    checkin_shielded_by_driver: bool = False
 
     @abstractmethod
     def __init__(self, source: Any) -> None: ...
