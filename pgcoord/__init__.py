@@ -18,14 +18,17 @@ from .errors import (
     UnsupportedConnection,
 )
 from .locks import ExclusiveLock, exclusive
+from .session import HeldLock, LockHolder
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Deadlock",
     "ExclusiveLock",
+    "HeldLock",
     "LeaseLost",
     "LockBusy",
+    "LockHolder",
     "LockLost",
     "LockTableFull",
     "LockTimeout",

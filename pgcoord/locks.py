@@ -62,7 +62,7 @@ class LockRequest:
         elif timeout is None:
             self.statement = LockStatement(
                 query("advisory_wait").format(fn=fn, key=self.key),
-                query("advisory_wait_bound").format(fn=fn),
+                query("advisory_call").format(fn=fn),
                 (self.key,),
             )
         else:

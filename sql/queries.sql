@@ -7,9 +7,9 @@
 -- name: advisory_wait
 SELECT pg_catalog.{fn}({key})
 
--- name: advisory_wait_bound
--- The same with the key bound, for drivers that prepare repeated statements
--- (psycopg, SQLAlchemy): one plan serves every key.
+-- name: advisory_call
+-- One advisory function with the key bound, for drivers that prepare repeated
+-- statements (psycopg, SQLAlchemy): one plan serves every key.
 SELECT pg_catalog.{fn}($1)
 
 -- name: advisory_try
@@ -33,21 +33,8 @@ BEGIN
     PERFORM pg_catalog.set_config('lock_timeout', previous, true);
 END $pgcoord$
 
--- name: savepoint_begin
-SAVEPOINT pgcoord_lock
-
--- name: savepoint_release
-RELEASE SAVEPOINT pgcoord_lock
-
--- name: savepoint_rollback
-ROLLBACK TO SAVEPOINT pgcoord_lock
-
 -- name: lock_names_record
 INSERT INTO pgcoord.lock_names (key, name) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING
-
--- name: advisory_held_by_me
-SELECT count(*) FROM pg_catalog.pg_locks
-WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted
 
 -- name: holders_list
 SELECT kind, name, key, holder, pid, application_name, client_addr::text AS client_addr,
@@ -56,3 +43,47 @@ SELECT kind, name, key, holder, pid, application_name, client_addr::text AS clie
        extract(epoch FROM expires_at - pg_catalog.now())::float8 AS expires_in_seconds
 FROM pgcoord.holders
 ORDER BY kind, coalesce(name, key::text), granted DESC, since
+
+-- name: holder_setup
+-- Per-session settings of a LockHolder connection. The tcp_* settings make the
+-- server end this session (releasing its locks) when the client vanishes.
+SELECT pg_catalog.pg_backend_pid(),
+       pg_catalog.set_config('application_name', $1, false),
+       pg_catalog.set_config('tcp_keepalives_idle', $2, false),
+       pg_catalog.set_config('tcp_keepalives_interval', $3, false),
+       pg_catalog.set_config('tcp_keepalives_count', '3', false),
+       pg_catalog.set_config('tcp_user_timeout', $4, false)
+
+-- name: holder_reset
+-- Undo holder_setup before a borrowed connection goes back to its pool.
+RESET application_name; RESET tcp_keepalives_idle; RESET tcp_keepalives_interval;
+RESET tcp_keepalives_count; RESET tcp_user_timeout
+
+-- name: holder_backend_pid
+SELECT pg_catalog.pg_backend_pid()
+
+-- name: holder_probe
+SELECT 1
+
+-- name: holder_undo
+-- Release every level of a session lock on {key} that this session holds,
+-- without the warning pg_advisory_unlock gives for a lock not held.
+DO $pgcoord$ BEGIN
+    WHILE EXISTS (
+        SELECT 1 FROM pg_catalog.pg_locks AS l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() AND l.granted
+          AND l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = {key}
+          AND l.mode = '{mode}'
+    ) LOOP
+        PERFORM pg_catalog.{unlock_fn}({key});
+    END LOOP;
+END $pgcoord$
+
+-- name: holder_unlock_all
+SELECT pg_catalog.pg_advisory_unlock_all()
+
+-- name: holder_advisory_count
+-- Advisory locks this session still holds or awaits: 0 means the connection
+-- can go back to its pool.
+SELECT count(*) FROM pg_catalog.pg_locks
+WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()

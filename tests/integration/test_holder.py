@@ -1,0 +1,354 @@
+"""LockHolder: session locks on dedicated connections (DESIGN §2), on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import psycopg
+import psycopg_pool
+import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
+
+import pgcoord
+from pgcoord._embedded import EmbeddedServer
+
+from .conftest import advisory_locks
+from .pgbouncer import PgBouncer
+from .proxy import FreezableProxy
+from .test_exclusive import Blocker, blocker  # noqa: F401 - fixture
+
+HOLDER_SOURCES = ["dsn-asyncpg", "dsn-psycopg", "asyncpg-pool", "psycopg-pool",
+                  "sa-engine-asyncpg", "sa-engine-psycopg"]
+POOL_SOURCES = HOLDER_SOURCES[2:]
+
+
+@contextlib.asynccontextmanager
+async def holder_source(kind: str, dsn: str) -> AsyncIterator[tuple[Any, dict[str, Any]]]:
+    """(source, extra LockHolder kwargs) for each kind of source."""
+    if kind.startswith("dsn-"):
+        yield dsn, {"driver": kind.removeprefix("dsn-")}
+    elif kind == "asyncpg-pool":
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
+        try:
+            yield pool, {}
+        finally:
+            await pool.close()
+    elif kind == "psycopg-pool":
+        async with psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=3, open=False) as p:
+            yield p, {}
+    else:
+        driver = kind.removeprefix("sa-engine-")
+        engine = create_async_engine(dsn.replace("postgresql://", f"postgresql+{driver}://"),
+                                     pool_size=3)
+        try:
+            yield engine, {}
+        finally:
+            await engine.dispose()
+
+
+def held_by(dsn: str, pid: int | None) -> list[int]:
+    return sorted(key for p, key, granted in advisory_locks(dsn) if p == pid and granted)
+
+
+# -- the leak, reproduced, and the cure ----------------------------------------------------
+
+async def test_a_plain_psycopg_pool_leaks_a_session_lock_to_the_next_user(dsn: str) -> None:
+    async with psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False,
+                                                kwargs={"autocommit": True}) as pool:
+        conn = await pool.getconn()
+        await conn.execute("select pg_advisory_lock(4242)")
+        pid = conn.info.backend_pid
+        await pool.putconn(conn)
+        async with pool.connection() as next_user:
+            assert next_user.info.backend_pid == pid
+            assert held_by(dsn, pid) == [4242]  # still held by whoever has it now
+            await next_user.execute("select pg_advisory_unlock_all()")
+
+
+@pytest.mark.parametrize("kind", POOL_SOURCES)
+async def test_a_borrowed_connection_goes_back_holding_nothing(kind: str, dsn: str) -> None:
+    async with holder_source(kind, dsn) as (source, extra):
+        async with pgcoord.LockHolder(source, **extra) as holder:
+            async with holder.lock("holder:borrowed"), holder.lock(77, shared=True):
+                pid = holder.backend_pid
+                assert held_by(dsn, pid) == sorted([pgcoord.lock_key("holder:borrowed"), 77])
+            # A lock the body forgot to release by hand, taken behind pgcoord's back.
+            main = holder._main
+            assert main is not None
+            await main.fetchval("select pg_advisory_lock(78)")
+        assert advisory_locks(dsn) == []
+        # The pool still works, and its connections carry none of the holder's settings.
+        async with pgcoord.exclusive(_tx_source(source), "holder:after", wait=False):
+            pass
+    assert advisory_locks(dsn) == []
+
+
+def _tx_source(source: Any) -> Any:
+    return source
+
+
+@pytest.mark.parametrize("kind", HOLDER_SOURCES)
+async def test_lock_busy_timeout_and_shared_behave_as_in_exclusive(
+    kind: str, dsn: str, blocker: Blocker,  # noqa: F811
+) -> None:
+    blocker.hold("holder:contended")
+    async with holder_source(kind, dsn) as (source, extra), \
+            pgcoord.LockHolder(source, **extra) as holder:
+        with pytest.raises(pgcoord.LockBusy):
+            async with holder.lock("holder:contended", wait=False):
+                pytest.fail("body ran")
+        started = time.monotonic()
+        with pytest.raises(pgcoord.LockTimeout):
+            async with holder.lock("holder:contended", timeout=0.3):
+                pytest.fail("body ran")
+        assert 0.25 <= time.monotonic() - started < 5
+        blocker.release()
+        blocker.hold("holder:contended", shared=True)
+        async with holder.lock("holder:contended", shared=True, wait=False):
+            pass
+        with pytest.raises(pgcoord.LockBusy):
+            async with holder.lock("holder:contended", wait=False):
+                pass
+        blocker.release()
+        assert [p for p, _, _ in advisory_locks(dsn)] == []
+
+
+async def test_a_waiter_is_granted_when_the_other_session_lets_go(
+    dsn: str, blocker: Blocker,  # noqa: F811
+) -> None:
+    blocker.hold("holder:wait")
+    async with pgcoord.LockHolder(dsn) as holder:
+        async def take() -> float:
+            async with holder.lock("holder:wait"):
+                return time.monotonic()
+
+        task = asyncio.create_task(take())
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        # The main session stays free while one lock is awaited elsewhere.
+        async with holder.lock("holder:other", wait=False):
+            pass
+        released = time.monotonic()
+        blocker.release()
+        granted = await asyncio.wait_for(task, 10)
+        assert granted - released < 2
+    assert advisory_locks(dsn) == []
+
+
+# -- one process, one key -----------------------------------------------------------------
+
+async def test_tasks_of_one_process_queue_fifo_and_never_overlap(dsn: str) -> None:
+    order: list[int] = []
+    inside = 0
+    async with pgcoord.LockHolder(dsn) as holder:
+        async def worker(i: int) -> None:
+            nonlocal inside
+            async with holder.lock("holder:fifo"):
+                inside += 1
+                assert inside == 1
+                order.append(i)
+                await asyncio.sleep(0.01)
+                inside -= 1
+
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.create_task(worker(i)))
+            await asyncio.sleep(0.002)  # request in a known order
+        # Cancel one waiter in the middle: the queue stays consistent.
+        tasks[4].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 1, 2, 3, 5, 6, 7]
+    assert advisory_locks(dsn) == []
+
+
+async def test_wait_false_sees_a_holder_in_the_same_process(dsn: str) -> None:
+    async with pgcoord.LockHolder(dsn) as holder, holder.lock("holder:local"):
+        with pytest.raises(pgcoord.LockBusy, match="in this process"):
+            async with holder.lock("holder:local", wait=False):
+                pass
+
+
+# -- cancellation racing a grant ------------------------------------------------------
+
+async def test_two_hundred_cancels_racing_grants_leave_no_lock(dsn: str) -> None:
+    rng = random.Random(7)
+    key = pgcoord.lock_key("holder:race")
+    other = await asyncpg.connect(dsn)
+    try:
+        async with pgcoord.LockHolder(dsn) as holder:
+            for i in range(200):
+                contended = i % 2 == 0
+                if contended:
+                    await other.execute(f"select pg_advisory_lock({key})")
+
+                async def take() -> None:
+                    async with holder.lock(key):
+                        await asyncio.sleep(0)
+
+                task = asyncio.create_task(take())
+                await asyncio.sleep(rng.uniform(0, 0.004))
+                if contended:
+                    await other.execute(f"select pg_advisory_unlock({key})")
+                    await asyncio.sleep(rng.uniform(0, 0.002))
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                assert held_by(dsn, holder.backend_pid) == [], f"iteration {i}"
+        assert advisory_locks(dsn) == []
+    finally:
+        await other.close()
+
+
+# -- liveness: the session lost, each cause ------------------------------------------------
+
+async def _expect_lock_lost(holder: pgcoord.LockHolder, key: str, cut: Any, bound: float) -> float:
+    """Hold ``key``, run ``cut()``, return seconds until the body was cancelled."""
+    holding = asyncio.Event()
+    body_cancelled_at = 0.0
+
+    async def body() -> None:
+        nonlocal body_cancelled_at
+        async with holder.lock(key):
+            holding.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                body_cancelled_at = time.monotonic()
+                raise
+
+    task = asyncio.create_task(body())
+    await asyncio.wait_for(holding.wait(), 10)
+    cut_at = time.monotonic()
+    await cut()
+    with pytest.raises(pgcoord.LockLost):
+        await asyncio.wait_for(task, bound + 5)
+    elapsed = body_cancelled_at - cut_at
+    assert 0 <= elapsed <= bound, elapsed
+    return elapsed
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_terminated_backend_cancels_the_body_with_lock_lost(dsn: str, driver: str) -> None:
+    async with pgcoord.LockHolder(dsn, driver=driver, keepalive=1.0) as holder:
+        pid = holder.backend_pid
+
+        async def terminate() -> None:
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute("select pg_terminate_backend(%s)", (pid,))
+
+        await _expect_lock_lost(holder, "holder:terminated", terminate, bound=1.0 + 1.0)
+        # Later lock() calls reconnect.
+        async with holder.lock("holder:terminated", wait=False):
+            assert holder.backend_pid != pid
+    assert advisory_locks(dsn) == []
+
+
+@pytest.fixture(scope="module")
+def small_server() -> Iterator[EmbeddedServer]:
+    """A server of our own: restarted by tests, with a small lock table."""
+    with EmbeddedServer({"max_locks_per_transaction": "16", "max_connections": "20"}) as server:
+        yield server
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_server_restart_cancels_the_body_with_lock_lost(
+    small_server: EmbeddedServer, driver: str,
+) -> None:
+    async with pgcoord.LockHolder(small_server.dsn, driver=driver, keepalive=1.0) as holder:
+        async def restart() -> None:
+            await asyncio.to_thread(small_server.restart)
+
+        # The restart itself takes a moment; the bound counts from when it returns.
+        await _expect_lock_lost(holder, "holder:restart", restart, bound=2.0)
+        async with holder.lock("holder:restart", wait=False):
+            pass
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_silent_network_cancels_the_body_with_lock_lost(dsn: str, driver: str) -> None:
+    proxy = FreezableProxy("127.0.0.1", int(dsn.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        async with pgcoord.LockHolder(proxy.dsn(dsn), driver=driver, keepalive=1.0) as holder:
+            async def freeze() -> None:
+                proxy.freeze()
+
+            await _expect_lock_lost(holder, "holder:frozen", freeze, bound=1.0 + 1.0)
+    finally:
+        proxy.close()
+    # The server ends the orphaned session itself (tcp_user_timeout); make sure.
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("select pg_terminate_backend(pid) from pg_locks where locktype = 'advisory'")
+
+
+# -- scale and limits -------------------------------------------------------------------
+
+async def test_ten_thousand_keys_on_one_holder(dsn: str) -> None:
+    async with pgcoord.LockHolder(dsn) as holder, contextlib.AsyncExitStack() as stack:
+        for k in range(10_000):
+            await stack.enter_async_context(holder.lock(1_000_000 + k))
+        assert len(held_by(dsn, holder.backend_pid)) == 10_000
+        assert len(holder._carriers) == 1  # all on the main session
+    assert advisory_locks(dsn) == []
+
+
+async def test_a_full_lock_table_names_max_locks_per_transaction(small_server: EmbeddedServer) -> None:
+    async with pgcoord.LockHolder(small_server.dsn) as holder, contextlib.AsyncExitStack() as stack:
+        with pytest.raises(pgcoord.LockTableFull, match="max_locks_per_transaction"):
+            for k in range(100_000):
+                await stack.enter_async_context(holder.lock(k))
+
+
+# -- poolers and the operators' view ---------------------------------------------------------
+
+@pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
+async def test_a_transaction_mode_pgbouncer_is_refused(dsn: str, driver: str) -> None:
+    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+    bouncer = PgBouncer(server_port)
+    try:
+        with pytest.raises(pgcoord.UnsupportedConnection, match="transaction-mode pooler"):
+            async with pgcoord.LockHolder(bouncer.dsn(dsn), driver=driver):
+                pytest.fail("opened behind a transaction-mode pooler")
+    finally:
+        bouncer.stop()
+    assert advisory_locks(dsn) == []
+
+
+async def test_a_session_mode_pgbouncer_is_accepted(dsn: str) -> None:
+    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+    bouncer = PgBouncer(server_port, pool_mode="session")
+    try:
+        async with pgcoord.LockHolder(bouncer.dsn(dsn), driver="psycopg") as holder, \
+                holder.lock("holder:via-session-pool"):
+            assert len(advisory_locks(dsn)) == 1
+    finally:
+        bouncer.stop()
+
+
+async def test_holders_view_names_the_holder_by_application_name(dsn: str) -> None:
+    name = "holder:visible-to-operators"
+    async with pgcoord.exclusive(await asyncpg.create_pool(dsn, min_size=1, max_size=1), name):
+        pass  # records the name, as any first use does
+    async with pgcoord.LockHolder(dsn, application_name="reindexer-7") as holder, \
+            holder.lock(name):
+        with psycopg.connect(dsn) as conn:
+            rows = conn.execute(
+                "select name, holder, application_name, pid, granted from pgcoord.holders"
+            ).fetchall()
+        assert rows == [(name, "reindexer-7", "reindexer-7", holder.backend_pid, True)]
+
+
+def test_bad_arguments_raise_at_construction() -> None:
+    with pytest.raises(ValueError):
+        pgcoord.LockHolder("postgresql://x/y", keepalive=0)
+    with pytest.raises(ValueError):
+        pgcoord.LockHolder("postgresql://x/y", driver="odbc")
+    with pytest.raises(pgcoord.UnsupportedConnection):
+        pgcoord.LockHolder(object())
+    holder = pgcoord.LockHolder("postgresql://x/y")
+    with pytest.raises(TypeError):
+        holder.lock(1.5)  # type: ignore[arg-type]
