@@ -97,10 +97,10 @@ class _Carrier:
         while not self.lost:
             await asyncio.sleep(interval)
             probe = asyncio.ensure_future(self.fetchval(query("holder_probe")))
+            probe.add_done_callback(_consume)
             done, _ = await asyncio.wait({probe}, timeout=interval)
             if not done:
                 probe.cancel()
-                probe.add_done_callback(_consume)
                 self.mark_lost(f"no answer to a probe within {interval:.1f}s")
             elif probe.exception() is not None and not self.lost:
                 self.mark_lost(f"probe failed: {probe.exception()!r}")
@@ -149,6 +149,13 @@ class _Carrier:
                 raise
             return
         await self.conn.give_back()
+
+
+_CALLS = {
+    (kind, shared): query("advisory_call").format(fn=fn + ("_shared" if shared else ""))
+    for kind, fn in (("try", "pg_try_advisory_lock"), ("unlock", "pg_advisory_unlock"))
+    for shared in (False, True)
+}
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
@@ -316,6 +323,10 @@ class HeldLock:
     def _fn(self) -> str:
         return "pg_advisory_lock_shared" if self.request.shared else "pg_advisory_lock"
 
+    def _call(self, kind: str) -> str:
+        """``SELECT pg_try_advisory_lock($1)`` and friends, for this lock's mode."""
+        return _CALLS[(kind, self.request.shared)]
+
     async def __aenter__(self) -> HeldLock:
         if self._queued:
             raise RuntimeError("this HeldLock is already in use; call holder.lock() again")
@@ -362,9 +373,8 @@ class HeldLock:
     async def _take(self, deadline: float | None) -> _Carrier:
         holder, request = self.holder, self.request
         main = await holder._main_carrier()
-        try_fn = self._fn.replace("pg_", "pg_try_", 1)
         try:
-            got = await main.fetchval(query("advisory_call").format(fn=try_fn), request.key)
+            got = await main.fetchval(self._call("try"), request.key)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and not main.lost:
                 # The try may have been granted just before the cancel landed.
@@ -422,11 +432,8 @@ class HeldLock:
             if carrier.dedicated:
                 await holder._retire(carrier)
             elif not carrier.lost:
-                unlock_fn = self._fn.replace("_lock", "_unlock", 1)
                 try:
-                    await finish_despite_cancel(
-                        carrier.fetchval(query("advisory_call").format(fn=unlock_fn), request.key)
-                    )
+                    await finish_despite_cancel(carrier.fetchval(self._call("unlock"), request.key))
                 except LockLost:
                     pass  # the session ended with the body done: the server released it
                 except Exception as unlock_error:
