@@ -5,6 +5,7 @@ the object it is given.
 """
 
 from ._keys import lock_key
+from .elector import Elector
 from .errors import (
     Deadlock,
     LeaseLost,
@@ -17,6 +18,7 @@ from .errors import (
     StaleFence,
     UnsupportedConnection,
 )
+from .leases import Lease, check_fence
 from .locks import ExclusiveLock, exclusive
 from .session import HeldLock, LockHolder
 
@@ -24,8 +26,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Deadlock",
+    "Elector",
     "ExclusiveLock",
     "HeldLock",
+    "Lease",
     "LeaseLost",
     "LockBusy",
     "LockHolder",
@@ -37,6 +41,7 @@ __all__ = [
     "StaleFence",
     "UnsupportedConnection",
     "__version__",
+    "check_fence",
     "exclusive",
     "lock_key",
 ]

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from ._queries import to_pyformat
+from ._queries import query, to_pyformat
 from .errors import UnsupportedConnection
 
 
@@ -205,3 +205,22 @@ def connection_source(source: Any, driver: str | None, keepalive: float) -> Conn
         f"LockHolder cannot use {type(source).__module__}.{type(source).__qualname__}; expected "
         "a DSN, an asyncpg Pool, a psycopg AsyncConnectionPool or a SQLAlchemy AsyncEngine"
     )
+
+
+async def behind_transaction_pooler(source: ConnectionSource, conn: HolderConnection) -> bool:
+    """Whether ``conn`` reaches the server through a transaction-mode pooler.
+
+    Behind PgBouncer in transaction mode a client's statements may run on
+    different server sessions, and an idle client's server session is handed
+    to the next client. So: ask a second client from the same source for its
+    server pid, then ask ``conn`` again. The pid must stay put, and must not be
+    the one the second client got. ``conn.backend_pid`` must already be set.
+    """
+    other = await source.open()
+    try:
+        await other.prepare()
+        other_pid = int(await other.fetchval(query("holder_backend_pid")))
+        again = int(await conn.fetchval(query("holder_backend_pid")))
+    finally:
+        await other.give_back()
+    return again != conn.backend_pid or other_pid == conn.backend_pid

@@ -215,3 +215,21 @@ def current(target: str | Connection) -> str | None:
             return read(connection)
     finally:
         engine.dispose()
+
+
+def head() -> str:
+    """The newest revision this pgcoord ships."""
+    from alembic.script import ScriptDirectory
+
+    heads = ScriptDirectory(str(migrations_dir())).get_heads()
+    if len(heads) != 1:
+        raise RuntimeError(f"pgcoord's migrations should have one head, found {heads}")
+    return heads[0]
+
+
+def revisions() -> list[str]:
+    """Every revision from the first to the head, in order."""
+    from alembic.script import ScriptDirectory
+
+    walk = ScriptDirectory(str(migrations_dir())).walk_revisions("base", "heads")
+    return [script.revision for script in reversed(list(walk))]

@@ -26,7 +26,12 @@ from typing import Any
 
 from . import _errmap
 from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
-from ._holderconn import ConnectionSource, HolderConnection, connection_source
+from ._holderconn import (
+    ConnectionSource,
+    HolderConnection,
+    behind_transaction_pooler,
+    connection_source,
+)
 from ._keys import LockKeyLike
 from ._queries import query
 from .errors import LockBusy, LockLost, LockTimeout, PgcoordError, UnsupportedConnection
@@ -246,21 +251,7 @@ class LockHolder:
         return carrier
 
     async def _refuse_transaction_pooler(self, conn: HolderConnection) -> None:
-        """Session locks cannot work behind a transaction-mode pooler: refuse it.
-
-        Behind PgBouncer in transaction mode a client's statements may run on
-        different server sessions, and an idle client's server session is handed
-        to the next client. So: the pid must stay put across statements, and a
-        second client must not be given this client's server session.
-        """
-        other = await self._source.open()
-        try:
-            await other.prepare()
-            other_pid = int(await other.fetchval(query("holder_backend_pid")))
-            again = int(await conn.fetchval(query("holder_backend_pid")))
-        finally:
-            await other.give_back()
-        if again != conn.backend_pid or other_pid == conn.backend_pid:
+        if await behind_transaction_pooler(self._source, conn):
             raise UnsupportedConnection(
                 "LockHolder needs a session of its own, but this connection goes through a "
                 "transaction-mode pooler (the server session changed between statements). "

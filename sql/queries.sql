@@ -87,3 +87,24 @@ SELECT pg_catalog.pg_advisory_unlock_all()
 -- can go back to its pool.
 SELECT count(*) FROM pg_catalog.pg_locks
 WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
+
+-- name: lease_acquire
+SELECT fence, expires_at FROM pgcoord.lease_acquire($1, $2, $3, $4)
+
+-- name: lease_renew
+SELECT expires_at FROM pgcoord.lease_renew($1, $2, $3, $4)
+
+-- name: lease_release
+SELECT fence FROM pgcoord.lease_release($1, $2, $3)
+
+-- name: lease_check_fence
+SELECT pgcoord.check_fence($1, $2)
+
+-- name: lease_current_holder
+SELECT holder, fence, expires_at FROM pgcoord.leases
+WHERE name = $1 AND holder IS NOT NULL AND expires_at > pg_catalog.clock_timestamp()
+
+-- name: elector_session
+-- The elector's own session: the server ends it after {idle_ms} ms of silence,
+-- so a paused or partitioned leader loses its doorbell lock and its lease.
+SET idle_session_timeout = {idle_ms}

@@ -41,8 +41,9 @@ class AsyncpgSession(AsyncTxSession):
     def in_transaction(self) -> bool:
         return bool(self.conn.is_in_transaction())
 
-    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
-        await self.conn.execute(sql, *params)
+    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        row = await self.conn.fetchrow(sql, *params)
+        return None if row is None else tuple(row)
 
     async def begin_locked(self, lock: LockStatement) -> None:
         if not _can_adopt(self.conn):

@@ -46,8 +46,8 @@ class AsyncTxSession(ABC):
     def in_transaction(self) -> bool: ...
 
     @abstractmethod
-    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
-        """Run one statement in a transaction of its own (not in any lock's)."""
+    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Run one statement in a transaction of its own; its first row, if any."""
 
     @abstractmethod
     async def begin_locked(self, lock: LockStatement) -> None:
@@ -85,7 +85,7 @@ class SyncTxSession(ABC):
     def in_transaction(self) -> bool: ...
 
     @abstractmethod
-    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None: ...
+    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None: ...
 
     @abstractmethod
     def begin_locked(self, lock: LockStatement) -> None: ...

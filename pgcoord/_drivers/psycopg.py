@@ -50,10 +50,11 @@ class AsyncPsycopgSession(AsyncTxSession):
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
 
-    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
+    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         async with self.conn.transaction():
-            await self.conn.execute(to_pyformat(sql), params)
+            cur = await self.conn.execute(to_pyformat(sql), params)
+            return await cur.fetchone() if cur.description else None
 
     async def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
@@ -102,10 +103,11 @@ class SyncPsycopgSession(SyncTxSession):
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
 
-    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
+    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         with self.conn.transaction():
-            self.conn.execute(to_pyformat(sql), params)
+            cur = self.conn.execute(to_pyformat(sql), params)
+            return cur.fetchone() if cur.description else None
 
     def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None

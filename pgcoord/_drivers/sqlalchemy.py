@@ -37,10 +37,12 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         assert self.conn is not None
         return self.conn.in_transaction()
 
-    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
+    async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         async with self.conn.begin():
-            await self.conn.execute(text(to_named(sql)), _named_params(params))
+            result = await self.conn.execute(text(to_named(sql)), _named_params(params))
+            row = result.first() if result.returns_rows else None
+            return None if row is None else tuple(row)
 
     async def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
@@ -88,10 +90,12 @@ class SyncSQLAlchemySession(SyncTxSession):
         assert self.conn is not None
         return self.conn.in_transaction()
 
-    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> None:
+    def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         with self.conn.begin():
-            self.conn.execute(text(to_named(sql)), _named_params(params))
+            result = self.conn.execute(text(to_named(sql)), _named_params(params))
+            row = result.first() if result.returns_rows else None
+            return None if row is None else tuple(row)
 
     def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None

@@ -57,7 +57,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_migrate_twice_is_a_no_op_and_downgrade_to_base_removes_everything(fresh_db: str) -> None:
     first = run_cli("migrate", "--dsn", fresh_db)
     assert first.returncode == 0, first.stderr
-    assert "base -> 0001" in first.stdout
+    assert f"base -> {migrations.head()}" in first.stdout
     installed = pgcoord_objects(fresh_db)
     assert ("view", "holders") not in installed  # sanity of the helper's kinds
     assert ("relation:v", "holders") in installed
@@ -92,7 +92,7 @@ def test_the_printed_sql_builds_the_same_schema_as_migrate(pg_server: Server, fr
         )
         assert psql.returncode == 0, psql.stderr
         assert schema_dump(other_dsn) == schema_dump(fresh_db)
-        assert migrations.current(other_dsn) == migrations.current(fresh_db) == "0001"
+        assert migrations.current(other_dsn) == migrations.current(fresh_db) == migrations.head()
     finally:
         other.drop()
 
@@ -137,11 +137,23 @@ def test_three_replicas_migrating_at_once_apply_it_once(fresh_db: str) -> None:
         barrier.unlink(missing_ok=True)
     for proc, (out, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err
-        assert out.split()[-1] == "0001"
+        assert out.split()[-1] == migrations.head()
     with psycopg.connect(fresh_db) as conn:
         assert conn.execute("select version_num from pgcoord.alembic_version").fetchall() == [
-            ("0001",)
+            (migrations.head(),)
         ]
+
+
+def test_every_revision_steps_up_and_down(fresh_db: str) -> None:
+    steps = migrations.revisions()
+    assert steps[0] == "0001" and steps[-1] == migrations.head()
+    for revision in steps:
+        migrations.upgrade(fresh_db, revision)
+        assert migrations.current(fresh_db) == revision
+    for previous in reversed(["base", *steps[:-1]]):
+        migrations.downgrade(fresh_db, previous)
+        assert migrations.current(fresh_db) == (None if previous == "base" else previous)
+    assert pgcoord_objects(fresh_db) == []
 
 
 def test_sql_lock_key_agrees_with_python_on_every_vector(dsn: str) -> None:
@@ -223,11 +235,11 @@ def test_alembic_cli_works_from_a_checkout(fresh_db: str) -> None:
          "upgrade", "head"], capture_output=True, text=True, cwd=root,
     )
     assert result.returncode == 0, result.stderr
-    assert migrations.current(fresh_db) == "0001"
+    assert migrations.current(fresh_db) == migrations.head()
 
 
 @pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
 def test_migrate_accepts_either_driver_url(fresh_db: str, driver: str) -> None:
     url = fresh_db.replace("postgresql://", f"postgresql+{driver}://")
     migrations.upgrade(url)
-    assert migrations.current(fresh_db) == "0001"
+    assert migrations.current(fresh_db) == migrations.head()

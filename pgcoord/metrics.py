@@ -1,0 +1,97 @@
+"""The diagnostic signals of leases, electors and locks.
+
+Every signal is a structured log record on the ``pgcoord.metrics`` logger
+(fields in ``record.pgcoord``), and, when ``prometheus_client`` is installed, a
+Prometheus metric in its default registry. Labels are lease or lock *names*
+only, never keys or holders, so cardinality stays bounded by your code.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
+
+log = logging.getLogger("pgcoord.metrics")
+
+__all__ = [
+    "busy",
+    "fence_rejected",
+    "leadership",
+    "lock_lost",
+    "lock_wait",
+    "renewal",
+]
+
+
+@cache
+def _prometheus() -> dict[str, Any] | None:
+    try:
+        import prometheus_client as prom
+    except ImportError:
+        return None
+    return {
+        "is_leader": prom.Gauge("pgcoord_is_leader", "1 while this replica leads", ["name"]),
+        "fence": prom.Gauge("pgcoord_fence", "Current fence held by this replica (0 when none)",
+                            ["name"]),
+        "changes": prom.Counter("pgcoord_leadership_changes", "Times this replica gained or "
+                                "lost leadership", ["name"]),
+        "renew_latency": prom.Histogram(
+            "pgcoord_lease_renewal_seconds", "Round trip of a successful lease renewal", ["name"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)),
+        "renew_gap": prom.Gauge("pgcoord_lease_renewal_gap_seconds",
+                                "Time between the last two successful renewals", ["name"]),
+        "fence_rejections": prom.Counter("pgcoord_fence_rejections",
+                                         "check_fence calls that raised StaleFence", ["name"]),
+        "lock_wait": prom.Histogram(
+            "pgcoord_lock_wait_seconds", "Time from asking for a lock to holding it", ["name"],
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120)),
+        "busy": prom.Counter("pgcoord_lock_busy", "wait=False attempts that found the lock held",
+                             ["name"]),
+        "lost": prom.Counter("pgcoord_locks_lost", "Locks and leases lost while held", ["name"]),
+    }
+
+
+def _emit(event: str, name: str, level: int = logging.DEBUG, **fields: Any) -> None:
+    if log.isEnabledFor(level):
+        log.log(level, "%s %s %s", event, name, fields,
+                extra={"pgcoord": {"event": event, "name": name, **fields}})
+
+
+def leadership(name: str, is_leader: bool, fence: int | None) -> None:
+    _emit("leadership", name, logging.INFO, is_leader=is_leader, fence=fence)
+    if (prom := _prometheus()) is not None:
+        prom["is_leader"].labels(name).set(1 if is_leader else 0)
+        prom["fence"].labels(name).set(fence if is_leader and fence is not None else 0)
+        prom["changes"].labels(name).inc()
+
+
+def renewal(name: str, latency: float, gap: float) -> None:
+    _emit("lease_renewed", name, latency=round(latency, 6), gap=round(gap, 6))
+    if (prom := _prometheus()) is not None:
+        prom["renew_latency"].labels(name).observe(latency)
+        prom["renew_gap"].labels(name).set(gap)
+
+
+def fence_rejected(name: str, fence: int) -> None:
+    _emit("fence_rejected", name, logging.WARNING, fence=fence)
+    if (prom := _prometheus()) is not None:
+        prom["fence_rejections"].labels(name).inc()
+
+
+def lock_wait(name: str, seconds: float) -> None:
+    _emit("lock_granted", name, waited=round(seconds, 6))
+    if (prom := _prometheus()) is not None:
+        prom["lock_wait"].labels(name).observe(seconds)
+
+
+def busy(name: str) -> None:
+    _emit("lock_busy", name)
+    if (prom := _prometheus()) is not None:
+        prom["busy"].labels(name).inc()
+
+
+def lock_lost(name: str, reason: str) -> None:
+    _emit("lock_lost", name, logging.WARNING, reason=reason)
+    if (prom := _prometheus()) is not None:
+        prom["lost"].labels(name).inc()
