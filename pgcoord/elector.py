@@ -76,6 +76,7 @@ class Elector:
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
         self._stopped: asyncio.Event | None = None
+        metrics.warm_up()
 
     @property
     def _ttl_ms(self) -> int:
@@ -182,9 +183,9 @@ class Elector:
         trust_until = sent + window - trust_margin(window)
         last_renewal, next_renewal = sent, sent + self.ttl / 3
         self.is_leader, self.fence = True, fence
+        duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
         metrics.leadership(self.name, True, fence)
         log.info("elector %r: %s leads with fence %d", self.name, self.holder, fence)
-        duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
         assert self._lost is not None
         lost_waiter = asyncio.create_task(self._lost.wait())
         reason = "lead() returned"

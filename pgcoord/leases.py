@@ -109,6 +109,7 @@ class Lease:
         self._lost: str | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._body: asyncio.Task[Any] | None = None
+        metrics.warm_up()
 
     @property
     def _ttl_ms(self) -> int:

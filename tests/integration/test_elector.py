@@ -1,0 +1,200 @@
+"""Elector in one process: election, handover, and the bug classes other electors shipped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+
+import pgcoord
+
+from .pgbouncer import PgBouncer
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}:{uuid.uuid4().hex[:8]}"
+
+
+class Replica:
+    """An elector plus a record of its lead() calls."""
+
+    def __init__(self, dsn: str, name: str, label: str, ttl: float, **kw: Any) -> None:
+        self.label = label
+        self.elector = pgcoord.Elector(dsn, name, ttl=ttl, holder=label, **kw)
+        self.terms: list[int] = []
+        self.cancelled: list[int] = []
+        self.task: asyncio.Task[None] | None = None
+        self.lead_returns = False
+
+    async def lead(self, fence: int) -> None:
+        self.terms.append(fence)
+        if self.lead_returns:
+            return
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append(fence)
+            raise
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.elector.run(self.lead))
+
+
+@contextlib.asynccontextmanager
+async def replicas(dsn: str, n: int, ttl: float = 2.0, **kw: Any) -> AsyncIterator[list[Replica]]:
+    name = unique("elector")
+    group = [Replica(dsn, name, f"r{i}", ttl, **kw) for i in range(n)]
+    for r in group:
+        r.start()
+    try:
+        yield group
+    finally:
+        for r in group:
+            await r.elector.stop()
+
+
+async def until(predicate: Any, timeout: float, step: float = 0.005) -> float:
+    """Wait until predicate() is true; the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(step)
+    return time.monotonic() - started
+
+
+def leaders(group: list[Replica]) -> list[Replica]:
+    return [r for r in group if r.elector.is_leader]
+
+
+async def test_exactly_one_of_three_leads_and_a_graceful_stop_hands_over_at_once(dsn: str) -> None:
+    async with replicas(dsn, 3) as group:
+        await until(lambda: len(leaders(group)) == 1, 10)
+        await asyncio.sleep(0.5)
+        assert len(leaders(group)) == 1
+        first = leaders(group)[0]
+        assert first.terms == [first.elector.fence]
+        assert await first.elector.leader() == first.label
+        await first.elector.stop()
+        assert first.cancelled == first.terms
+        # The row is released before the doorbell, so a follower takes over in ms.
+        took = await until(lambda: len(leaders(group)) == 1, 5)
+        assert took < 1.0
+        second = leaders(group)[0]
+        assert second.elector.fence == first.terms[0] + 1
+
+
+async def test_a_terminated_session_clears_the_leader_flag_and_a_follower_takes_over(dsn: str) -> None:
+    """Stale leader flag: is_leader must not stay true once the session is gone."""
+    async with replicas(dsn, 2, ttl=2.0) as group:
+        await until(lambda: len(leaders(group)) == 1, 10)
+        old = leaders(group)[0]
+        pid = old.elector._conn.backend_pid  # type: ignore[union-attr]
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("select pg_terminate_backend(%s)", (pid,))
+        await until(lambda: not old.elector.is_leader, 2.0)
+        assert old.cancelled == old.terms
+        await until(lambda: len(leaders(group)) == 1 and leaders(group)[0] is not old, 2.0)
+
+
+async def test_a_replica_that_lost_campaigns_again(dsn: str) -> None:
+    """No re-campaign: after losing once, a replica must be able to lead again."""
+    async with replicas(dsn, 2, ttl=1.0) as group:
+        await until(lambda: len(leaders(group)) == 1, 10)
+        loser = leaders(group)[0]
+        other = next(r for r in group if r is not loser)
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("select pg_terminate_backend(%s)",
+                          (loser.elector._conn.backend_pid,))  # type: ignore[union-attr]
+        await until(lambda: other.elector.is_leader, 3)
+        await other.elector.stop()
+        await until(lambda: loser.elector.is_leader, 5)
+        assert len(loser.terms) == 2 and loser.terms[1] > loser.terms[0]
+
+
+async def test_when_lead_returns_the_replica_resigns_and_releases_the_doorbell(dsn: str) -> None:
+    """Stacked locks: the doorbell must be fully released on resign, not held once more."""
+    async with replicas(dsn, 2, ttl=2.0) as group:
+        await until(lambda: len(leaders(group)) == 1, 10)
+        first = leaders(group)[0]
+        first.lead_returns = True
+        other = next(r for r in group if r is not first)
+        # Make the leader's current duty end by restarting its term: stop the follower
+        # from winning first, then let the leader's lead() return on its next term.
+        other.lead_returns = False
+        await first.elector.stop()
+        first.elector = pgcoord.Elector(dsn, other.elector.name, ttl=2.0, holder=first.label)
+        first.start()
+        await until(lambda: other.elector.is_leader, 5)
+        await other.elector.stop()
+        # first now wins, its lead() returns at once, it resigns; nobody else campaigns,
+        # so it wins again: each term must have released the doorbell completely.
+        await until(lambda: len(first.terms) >= 3, 10)
+        pid = first.elector._conn.backend_pid  # type: ignore[union-attr]
+        await first.elector.stop()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            held = admin.execute(
+                "select count(*) from pg_locks where locktype = 'advisory' and pid = %s", (pid,)
+            ).fetchone()
+        assert held == (0,)
+        assert first.terms == sorted(set(first.terms))
+
+
+async def test_an_elector_does_not_depend_on_the_application_pool(dsn: str) -> None:
+    """Pool starvation: the app pool fully checked out must not stop renewals."""
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
+    held = [await pool.acquire() for _ in range(2)]
+    try:
+        with pytest.raises(TypeError, match="session of its own"):
+            pgcoord.Elector(pool, "x", ttl=1)  # type: ignore[arg-type]
+        async with replicas(dsn, 1, ttl=0.6) as group:
+            await until(lambda: group[0].elector.is_leader, 5)
+            await asyncio.sleep(2.0)  # > 3 ttl: renewals kept going
+            assert group[0].elector.is_leader
+            assert group[0].cancelled == []
+    finally:
+        for conn in held:
+            await pool.release(conn)
+        await pool.close()
+
+
+async def test_renewals_are_scoped_to_the_holder_so_there_are_never_two_leaders(dsn: str) -> None:
+    async with replicas(dsn, 3, ttl=1.0) as group:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert len(leaders(group)) <= 1
+            await asyncio.sleep(0.01)
+        fences = sorted(f for r in group for f in r.terms)
+        assert len(fences) == len(set(fences)) >= 1
+
+
+async def test_behind_a_transaction_mode_pooler_it_leases_and_polls(dsn: str) -> None:
+    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+    bouncer = PgBouncer(server_port)
+    try:
+        async with replicas(bouncer.dsn(dsn), 2, ttl=1.0, driver="psycopg") as group:
+            await until(lambda: len(leaders(group)) == 1, 10)
+            assert all(r.elector.polling for r in group)
+            first = leaders(group)[0]
+            await first.elector.stop()
+            # No doorbell: the follower notices the released row at its next poll.
+            took = await until(lambda: len(leaders(group)) == 1, 5)
+            assert took <= 1.0 + 1.0 / 3 + 0.5
+    finally:
+        bouncer.stop()
+
+
+def test_bad_elector_arguments_raise_at_construction(dsn: str) -> None:
+    with pytest.raises(ValueError):
+        pgcoord.Elector(dsn, "x", ttl=0)
+    with pytest.raises(ValueError):
+        pgcoord.Elector(dsn, "", ttl=1)
+    with pytest.raises(ValueError):
+        pgcoord.Elector(dsn, "x", ttl=1, driver="jdbc")
