@@ -219,8 +219,14 @@ async def behind_transaction_pooler(source: ConnectionSource, conn: HolderConnec
     other = await source.open()
     try:
         await other.prepare()
-        other_pid = int(await other.fetchval(query("holder_backend_pid")))
-        again = int(await conn.fetchval(query("holder_backend_pid")))
+        # Other clients of the pooler may be busy at the same moment and change
+        # which server session each of ours gets; a few rounds make that moot.
+        # Directly or in session mode no round can ever look pooled.
+        for _ in range(3):
+            other_pid = int(await other.fetchval(query("holder_backend_pid")))
+            again = int(await conn.fetchval(query("holder_backend_pid")))
+            if again != conn.backend_pid or other_pid == conn.backend_pid:
+                return True
+        return False
     finally:
         await other.give_back()
-    return again != conn.backend_pid or other_pid == conn.backend_pid

@@ -82,6 +82,13 @@ class Elector:
     def _ttl_ms(self) -> int:
         return int(self.ttl * 1000)
 
+    @property
+    def _idle_ms(self) -> int:
+        # The server ends the session after this much silence. Shorter than the
+        # ttl so a paused leader is replaced within one ttl; the leader speaks
+        # every ttl/3, so it tolerates a stall of over half a ttl.
+        return int(self.ttl * 900)
+
     # -- the session ---------------------------------------------------------------
 
     async def _connect(self) -> HolderConnection:
@@ -97,7 +104,7 @@ class Elector:
                 log.warning("elector %r: transaction-mode pooler detected; lease-and-poll mode "
                             "(takeover up to ttl + ttl/3)", self.name)
             else:
-                await conn.execute(query("elector_session").format(idle_ms=self._ttl_ms))
+                await conn.execute(query("elector_session").format(idle_ms=self._idle_ms))
                 with contextlib.suppress(Exception):  # a name for operators; best effort
                     await conn.fetchval(query("lock_names_record"), self._doorbell,
                                         self._doorbell_name)
@@ -179,7 +186,9 @@ class Elector:
     # -- leader ----------------------------------------------------------------------------
 
     async def _lead(self, lead: Lead, fence: int, rang: bool, sent: float) -> None:
-        window = self.ttl  # idle_session_timeout == ttl: the earliest anyone may take over
+        # The earliest anyone may take over: when the server ends our silent
+        # session (idle_session_timeout), which comes before the lease's expiry.
+        window = self.ttl if self.polling else self._idle_ms / 1000
         trust_until = sent + window - trust_margin(window)
         last_renewal, next_renewal = sent, sent + self.ttl / 3
         self.is_leader, self.fence = True, fence

@@ -166,7 +166,7 @@ async def test_the_trust_window_closes_across_a_pause(dsn: str) -> None:
 @pytest.fixture
 def fenced(dsn: str) -> tuple[str, int]:
     name = unique("lease:check")
-    sql(dsn, "create table if not exists fenced_writes (id serial, name text, fence bigint)")
+    sql(dsn, "create table if not exists lease_fenced_writes (id serial, name text, fence bigint)")
     [(fence, _)] = sql(dsn, "select * from pgcoord.lease_acquire(%s, 'writer', 60000, null)", name)
     return name, fence
 
@@ -240,7 +240,7 @@ def test_a_takeover_waits_for_a_fenced_transaction_to_finish(dsn: str) -> None:
         thread.start()
         time.sleep(0.5)
         assert taken == []  # blocked behind the fenced transaction
-        writer.execute("insert into fenced_writes (name, fence) values (%s, %s)", (name, fence))
+        writer.execute("insert into lease_fenced_writes (name, fence) values (%s, %s)", (name, fence))
         committed = time.monotonic()
         writer.commit()
         thread.join(10)
