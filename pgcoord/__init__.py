@@ -20,6 +20,7 @@ from .errors import (
 )
 from .leases import Lease, check_fence
 from .locks import ExclusiveLock, exclusive
+from .scheduler import Scheduler, Slot
 from .session import HeldLock, LockHolder
 
 __version__ = "0.1.0"
@@ -37,7 +38,9 @@ __all__ = [
     "LockTableFull",
     "LockTimeout",
     "PgcoordError",
+    "Scheduler",
     "SchemaMissing",
+    "Slot",
     "StaleFence",
     "UnsupportedConnection",
     "__version__",

@@ -24,7 +24,13 @@ from typing import Any
 
 from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
-from ._drivers import check_source, tx_session
+from ._drivers import (
+    check_source,
+    fetchval_on,
+    fetchval_on_sync,
+    is_async_connection,
+    tx_session,
+)
 from ._drivers.base import AsyncTxSession
 from ._queries import query
 from .errors import LeaseLost, LockBusy, LockTimeout, SchemaMissing, StaleFence
@@ -95,7 +101,7 @@ class Lease:
     """
 
     def __init__(self, source: Any, name: str, *, ttl: float, holder: str | None = None) -> None:
-        check_source(source)
+        check_source(source, need_async=True)
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
         if holder is not None and (not isinstance(holder, str) or not holder):
@@ -263,50 +269,15 @@ def check_fence(conn: Any, name: str, fence: int) -> Any:
     if isinstance(fence, bool) or not isinstance(fence, int):
         raise TypeError("fence must be an int")
     sql, params = query("lease_check_fence"), (name, fence)
-    module = type(conn).__module__.partition(".")[0]
-    if module == "asyncpg":
-        async def run_asyncpg() -> None:
+    if is_async_connection(conn):
+        async def check() -> None:
             try:
-                await conn.execute(sql, *params)
+                await fetchval_on(conn, sql, params)
             except Exception as exc:
                 raise _stale(exc, name, fence) from exc
-        return run_asyncpg()
-    if module == "psycopg":
-        import psycopg
-
-        from ._queries import to_pyformat
-
-        if isinstance(conn, psycopg.AsyncConnection):
-            async def run_psycopg() -> None:
-                try:
-                    await conn.execute(to_pyformat(sql), params)
-                except Exception as exc:
-                    raise _stale(exc, name, fence) from exc
-            return run_psycopg()
-        try:
-            conn.execute(to_pyformat(sql), params)
-        except Exception as exc:
-            raise _stale(exc, name, fence) from exc
-        return None
-    if module == "sqlalchemy":
-        from sqlalchemy import text
-        from sqlalchemy.ext.asyncio import AsyncConnection
-
-        from ._queries import to_named
-
-        statement, named = text(to_named(sql)), {"p1": name, "p2": fence}
-        if isinstance(conn, AsyncConnection):
-            async def run_sqlalchemy() -> None:
-                try:
-                    await conn.execute(statement, named)
-                except Exception as exc:
-                    raise _stale(exc, name, fence) from exc
-            return run_sqlalchemy()
-        try:
-            conn.execute(statement, named)
-        except Exception as exc:
-            raise _stale(exc, name, fence) from exc
-        return None
-    from .errors import UnsupportedConnection
-
-    raise UnsupportedConnection(f"check_fence cannot use a {type(conn).__qualname__}")
+        return check()
+    try:
+        fetchval_on_sync(conn, sql, params)
+    except Exception as exc:
+        raise _stale(exc, name, fence) from exc
+    return None

@@ -108,3 +108,38 @@ WHERE name = $1 AND holder IS NOT NULL AND expires_at > pg_catalog.clock_timesta
 -- The elector's own session: the server ends it after {idle_ms} ms of silence,
 -- so a paused or partitioned leader loses its doorbell lock and its lease.
 SET idle_session_timeout = {idle_ms}
+
+-- name: job_register
+SELECT registered_at, now FROM pgcoord.job_register($1, $2, $3)
+
+-- name: job_state
+-- The database clock and, per job, its latest scheduled slot: one round trip a tick.
+SELECT pg_catalog.clock_timestamp(),
+       pg_catalog.array_agg(m.last ORDER BY u.ord)
+FROM pg_catalog.unnest($1::text[]) WITH ORDINALITY AS u(job, ord)
+CROSS JOIN LATERAL (
+    SELECT max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
+) AS m
+
+-- name: job_claim
+SELECT state, attempt FROM pgcoord.job_claim($1, $2, $3, $4, $5, false)
+
+-- name: job_claim_now
+SELECT c.state, c.attempt, n.slot
+FROM (SELECT pg_catalog.clock_timestamp() AS slot) AS n
+CROSS JOIN LATERAL pgcoord.job_claim($1, n.slot, $2, $3, 'run', true) AS c
+
+-- name: job_heartbeat
+SELECT pgcoord.job_heartbeat($1, $2, $3, $4, $5)
+
+-- name: job_finish
+SELECT pgcoord.job_finish($1, $2, $3, $4, $5, $6, $7)
+
+-- name: job_mark_missed
+SELECT pgcoord.job_mark_missed($1, $2, $3)
+
+-- name: job_recover
+SELECT slot_at, attempt FROM pgcoord.job_recover($1, $2, $3, $4, $5)
+
+-- name: job_prune
+SELECT pgcoord.job_prune($1, $2, $3)

@@ -66,9 +66,15 @@ def _classify(source: Any) -> tuple[type[AsyncTxSession] | type[SyncTxSession], 
     raise UnsupportedConnection(f"pgcoord cannot use {_describe(source)}; expected {_ACCEPTED}")
 
 
-def check_source(source: Any) -> None:
-    """Raise ``UnsupportedConnection`` now for an object no driver adapter accepts."""
-    _session_class(source)
+def check_source(source: Any, *, need_async: bool = False) -> None:
+    """Raise now for an object no driver adapter accepts (``UnsupportedConnection``),
+    or for a synchronous one where background work needs an async one (``TypeError``)."""
+    _, is_async = _session_class(source)
+    if need_async and not is_async:
+        raise TypeError(
+            f"{_describe(source)} is synchronous; this feature runs in the background on "
+            "asyncio and needs an async pool or connection"
+        )
 
 
 def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSession:
@@ -84,3 +90,62 @@ def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSessi
             "not `async with`"
         )
     return cls(source)
+
+
+async def fetchval_on(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+    """Run one ``$n``-parameter statement on a user's async connection, in whatever
+    transaction it is in; the first column of the first row."""
+    module = type(conn).__module__.partition(".")[0]
+    if module == "asyncpg":
+        return await conn.fetchval(sql, *params)
+    if module == "psycopg":
+        from .._queries import to_pyformat
+
+        cur = await conn.execute(to_pyformat(sql), params)
+        row = await cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+    if module == "sqlalchemy":
+        from sqlalchemy import text
+
+        from .._queries import to_named
+
+        result = await conn.execute(text(to_named(sql)),
+                                    {f"p{i}": v for i, v in enumerate(params, start=1)})
+        return result.scalar() if result.returns_rows else None
+    raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")
+
+
+def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+    """``fetchval_on`` for a psycopg or SQLAlchemy sync connection."""
+    module = type(conn).__module__.partition(".")[0]
+    if module == "psycopg":
+        from .._queries import to_pyformat
+
+        cur = conn.execute(to_pyformat(sql), params)
+        row = cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+    if module == "sqlalchemy":
+        from sqlalchemy import text
+
+        from .._queries import to_named
+
+        result = conn.execute(text(to_named(sql)),
+                              {f"p{i}": v for i, v in enumerate(params, start=1)})
+        return result.scalar() if result.returns_rows else None
+    raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")
+
+
+def is_async_connection(conn: Any) -> bool:
+    """True for asyncpg, psycopg ``AsyncConnection`` and SQLAlchemy ``AsyncConnection``."""
+    module = type(conn).__module__.partition(".")[0]
+    if module == "asyncpg":
+        return True
+    if module == "psycopg":
+        import psycopg
+
+        return isinstance(conn, psycopg.AsyncConnection)
+    if module == "sqlalchemy":
+        from sqlalchemy.ext.asyncio import AsyncConnection
+
+        return isinstance(conn, AsyncConnection)
+    raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")

@@ -258,13 +258,18 @@ async def test_holders_view_shows_a_lease_with_fence_and_expiry(dsn: str) -> Non
     assert sql(dsn, "select count(*) from pgcoord.holders where name = %s", name) == [(0,)]
 
 
-def test_bad_lease_arguments_raise_at_construction(dsn: str) -> None:
-    with psycopg.connect(dsn) as conn:
+async def test_bad_lease_arguments_raise_at_construction(dsn: str) -> None:
+    with psycopg.connect(dsn) as sync_conn, pytest.raises(TypeError, match="async"):
+        pgcoord.Lease(sync_conn, "x", ttl=1)
+    conn = await psycopg.AsyncConnection.connect(dsn)
+    try:
         with pytest.raises(ValueError):
             pgcoord.Lease(conn, "x", ttl=-1)
         with pytest.raises(TypeError):
             pgcoord.Lease(conn, 5, ttl=1)  # type: ignore[arg-type]
         with pytest.raises(ValueError):
             pgcoord.Lease(conn, "", ttl=1)
+    finally:
+        await conn.close()
     with pytest.raises(pgcoord.UnsupportedConnection):
         pgcoord.Lease(object(), "x", ttl=1)

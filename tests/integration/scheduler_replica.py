@@ -1,0 +1,49 @@
+"""One replica for the scheduler fault tests, run as its own process.
+
+    python scheduler_replica.py DSN JOB MODE LABEL
+
+MODE is "skip", "retry" or "transactional". A per-second job records each
+start in job_starts (autocommit, before the work) and then works for 0.4 s;
+transactional mode writes its effect into job_effects inside the slot's
+transaction. SIGTERM stops the scheduler gracefully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import asyncpg
+
+import pgcoord
+from pgcoord.scheduler import Scheduler, Slot
+
+
+async def main(dsn: str, job: str, mode: str, label: str) -> None:
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=4)
+    sched = Scheduler(pool, runner=label)
+
+    @sched.cron(job, "* * * * * *", on_crash="skip" if mode == "skip" else "retry",
+                max_attempts=5, claim_ttl=1.0, transactional=mode == "transactional",
+                catch_up="all", deadline=30)
+    async def work(slot: Slot) -> None:
+        await pool.execute("insert into job_starts (job, slot_at, attempt, runner)"
+                           " values ($1, $2, $3, $4)", slot.job, slot.at, slot.attempt, label)
+        if slot.conn is not None:
+            await slot.conn.execute("insert into job_effects (job, slot_at) values ($1, $2)",
+                                    slot.job, slot.at)
+        await asyncio.sleep(0.4)
+
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, lambda: asyncio.ensure_future(sched.stop()))
+    print("READY", flush=True)
+    try:
+        await sched.run()
+    finally:
+        await pool.close()
+
+
+if __name__ == "__main__":
+    _ = pgcoord
+    asyncio.run(main(*sys.argv[1:5]))
