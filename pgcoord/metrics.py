@@ -79,7 +79,7 @@ def renewal(name: str, latency: float, gap: float) -> None:
 
 
 def fence_rejected(name: str, fence: int) -> None:
-    _emit("fence_rejected", name, logging.WARNING, fence=fence)
+    _emit("fence_rejected", name, logging.INFO, fence=fence)
     if (prom := _prometheus()) is not None:
         prom["fence_rejections"].labels(name).inc()
 
@@ -97,6 +97,6 @@ def busy(name: str) -> None:
 
 
 def lock_lost(name: str, reason: str) -> None:
-    _emit("lock_lost", name, logging.WARNING, reason=reason)
+    _emit("lock_lost", name, logging.INFO, reason=reason)
     if (prom := _prometheus()) is not None:
         prom["lost"].labels(name).inc()

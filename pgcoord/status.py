@@ -57,33 +57,39 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-COLUMNS = (("KIND", 8), ("NAME", 22), ("HOLDER", 16), ("PID", 7), ("STATE", 8),
-           ("AGE", 6), ("EXPIRES", 7))
+# (title, width); NAME takes whatever the terminal leaves.
+COLUMNS = (("KIND", 8), ("NAME", 0), ("HOLDER", 18), ("STATE", 7), ("AGE", 6), ("LEFT", 6),
+           ("FENCE", 5))
 
 
 def format_table(rows: list[Row], width: int = 80) -> str:
-    """A table that fits ``width`` columns; the name column takes what is left."""
-    fixed = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1 - COLUMNS[1][1]
-    name_width = max(12, width - fixed)
-    widths = [name_width if title == "NAME" else w for title, w in COLUMNS]
+    """A table of ``pgcoord.holders`` that fits ``width`` columns.
+
+    Names are shown wherever one is known (``#key`` otherwise); a waiter gets a
+    line naming the pids it waits on; LEFT is a lease's or job claim's time to
+    expiry, FENCE its fence (a job's attempt).
+    """
+    fixed = sum(w for _, w in COLUMNS) + len(COLUMNS) - 1
+    widths = [w or max(12, width - fixed) for _, w in COLUMNS]
     lines = [" ".join(title.ljust(w) for (title, _), w in zip(COLUMNS, widths, strict=True))]
     for r in rows:
         name = r["name"] if r["name"] is not None else f"#{r['key']}"
-        if r.get("fence") is not None:
-            name = f"{name} fence={r['fence']}"
+        holder = r["holder"] or "-"
+        if r.get("pid") is not None:
+            holder = f"{_clip(holder, widths[2] - len(str(r['pid'])) - 1)}/{r['pid']}"
         state = "held" if r["granted"] else "waiting"
-        if not r["granted"] and r.get("blocked_by"):
-            state = "waits"
+        if r.get("session_alive") is False:
+            state = "orphan"  # a lease or claim whose holder's session is gone
         cells = [
-            r["kind"], name, r["holder"] or "-", str(r["pid"] or "-"), state,
-            _age(r.get("age_seconds")),
+            r["kind"], name, holder, state, _age(r.get("age_seconds")),
             _age(r.get("expires_in_seconds")) if r.get("expires_at") else "-",
+            "-" if r.get("fence") is None else str(r["fence"]),
         ]
         padded = (_clip(str(c), w).ljust(w) for c, w in zip(cells, widths, strict=True))
         lines.append(" ".join(padded).rstrip())
         if not r["granted"] and r.get("blocked_by"):
             lines.append(" " * (widths[0] + 1) + _clip(
-                "  blocked by pid " + ", ".join(map(str, r["blocked_by"])), width - widths[0] - 1))
+                "waits for pid " + ", ".join(map(str, r["blocked_by"])), width - widths[0] - 1))
     if not rows:
         lines.append("(nobody holds or waits for anything)")
     return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,22 @@
+-- Least-privilege roles for pgcoord. Create the roles first, then run this as
+-- the owner of schema pgcoord (the role that ran `pgcoord migrate`):
+--
+--   CREATE ROLE pgcoord_service LOGIN;    -- your services
+--   CREATE ROLE pgcoord_operator LOGIN;   -- people and dashboards that look
+--
+-- Checked by tests/integration/test_operators.py::test_least_privilege_roles.
+
+-- Services: take locks and leases, run jobs. No DDL, no ownership.
+GRANT USAGE ON SCHEMA pgcoord TO pgcoord_service;
+GRANT SELECT, INSERT ON pgcoord.lock_names TO pgcoord_service;
+GRANT SELECT, INSERT, UPDATE ON pgcoord.leases TO pgcoord_service;
+GRANT SELECT, INSERT, UPDATE ON pgcoord.jobs TO pgcoord_service;
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.job_slots TO pgcoord_service;
+GRANT SELECT ON pgcoord.holders TO pgcoord_service;
+-- check_fence() locks the lease row FOR SHARE, which needs UPDATE (granted above).
+
+-- Operators: read who holds what, nothing else. pg_read_all_stats lets them see
+-- other roles' application_name and client_addr in the view.
+GRANT USAGE ON SCHEMA pgcoord TO pgcoord_operator;
+GRANT SELECT ON pgcoord.holders TO pgcoord_operator;
+GRANT pg_read_all_stats TO pgcoord_operator;

@@ -1,0 +1,168 @@
+"""What operators and newcomers meet: pgcoord status, the demo, metrics, least-privilege roles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+
+import asyncpg
+import psycopg
+import pytest
+
+import pgcoord
+from pgcoord._resources import read_sql
+
+from .conftest import Server
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pgcoord.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={"COLUMNS": "80", "PATH": "/usr/bin:/bin"})
+
+
+async def test_status_fits_80_columns_names_locks_and_shows_leases_and_waiters(dsn: str) -> None:
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=3,
+                                     server_settings={"application_name": "billing-worker"})
+    lease = pgcoord.Lease(pool, "status:invoice-run", ttl=30, holder="billing-7")
+    try:
+        await lease.acquire()
+        async with pgcoord.exclusive(pool, "status:a-rather-long-lock-name-for-the-table"):
+            waiter = asyncio.create_task(_wait_for(pool, "status:a-rather-long-lock-name-for-the-table"))
+            await asyncio.sleep(0.3)
+            result = await asyncio.to_thread(cli, "status", "--dsn", dsn)
+            as_json = await asyncio.to_thread(cli, "status", "--dsn", dsn, "--json")
+        await waiter
+    finally:
+        await lease.release()
+        await pool.close()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    text = result.stdout
+    assert "status:a-rather-long" in text and "#" not in text  # names, never bare keys
+    assert "billing-work" in text and "waiting" in text and "waits for pid" in text
+    assert "status:invoice-run" in text and "billing-7" in text
+    rows = json.loads(as_json.stdout)
+    kinds = {(r["kind"], r["name"], r["granted"]) for r in rows}
+    assert ("lease", "status:invoice-run", True) in kinds
+    assert ("advisory", "status:a-rather-long-lock-name-for-the-table", False) in kinds
+    lease_row = next(r for r in rows if r["kind"] == "lease" and r["name"] == "status:invoice-run")
+    assert lease_row["fence"] >= 1 and lease_row["holder"] == "billing-7"
+
+
+async def _wait_for(pool: asyncpg.Pool, name: str) -> None:
+    async with pgcoord.exclusive(pool, name):
+        pass
+
+
+def test_status_without_the_schema_says_how_to_install_it(fresh_db: str) -> None:
+    result = cli("status", "--dsn", fresh_db)
+    assert result.returncode != 0
+    assert "pgcoord migrate" in result.stderr
+
+
+def test_the_demo_shows_every_step(dsn: str) -> None:
+    result = cli("demo", "--dsn", dsn, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for step in range(1, 7):
+        assert f"[{step}/6]" in out, out
+    assert "took over with fence" in out and "rejected: pgcoord: stale fence" in out
+    assert "(each slot once)" in out
+    assert "after the new leader's first write: 0" in out
+
+
+async def test_prometheus_metrics_after_a_failover(dsn: str) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+
+    name = f"metrics:{uuid.uuid4().hex[:6]}"
+    ours = pgcoord.Elector(dsn, name, ttl=2.0, holder="here")
+    other = pgcoord.Elector(dsn, name, ttl=2.0, holder="there")
+
+    async def lead(fence: int) -> None:
+        await asyncio.sleep(3600)
+
+    t1 = asyncio.create_task(ours.run(lead))
+    for _ in range(500):
+        if ours.is_leader:
+            break
+        await asyncio.sleep(0.01)
+    assert REGISTRY.get_sample_value("pgcoord_is_leader", {"name": name}) == 1
+    assert REGISTRY.get_sample_value("pgcoord_fence", {"name": name}) == ours.fence
+    t2 = asyncio.create_task(other.run(lead))
+    await asyncio.sleep(1.0)  # a renewal or two
+    with psycopg.connect(dsn, autocommit=True) as admin:  # fail over: kill our session
+        admin.execute("select pg_terminate_backend(%s)", (ours._conn.backend_pid,))  # type: ignore[union-attr]
+    for _ in range(500):
+        if other.is_leader:
+            break
+        await asyncio.sleep(0.01)
+    await ours.stop()
+    scraped = generate_latest().decode()
+    await other.stop()
+    await asyncio.gather(t1, t2)
+    assert f'pgcoord_leadership_changes_total{{name="{name}"}}' in scraped
+    assert REGISTRY.get_sample_value("pgcoord_leadership_changes_total", {"name": name}) >= 3
+    assert REGISTRY.get_sample_value("pgcoord_lease_renewal_seconds_count", {"name": name}) >= 1
+    assert REGISTRY.get_sample_value("pgcoord_locks_lost_total", {"name": name}) >= 1
+    # labels by name only: no holder, key or pid label anywhere
+    for line in scraped.splitlines():
+        if line.startswith("pgcoord_") and "{" in line:
+            labels = line[line.index("{") + 1:line.index("}")]
+            assert {part.split("=")[0] for part in labels.split(",")} <= {"name", "le"}, line
+
+
+def test_least_privilege_roles(pg_server: Server, fresh_db: str) -> None:
+    """A service role can use every feature; an operator role can only read the view."""
+    import pgcoord.migrations
+
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+    base = fresh_db.replace("postgres@", "{}@")
+    try:
+        asyncio.run(_as_service(base.format(service)))
+        with psycopg.connect(base.format(operator)) as ops:
+            ops.execute("select * from pgcoord.holders").fetchall()
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ops.execute("update pgcoord.leases set fence = 0")
+            ops.rollback()
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ops.execute("select pgcoord.lease_acquire('x', 'ops', 1000, null)")
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
+
+
+async def _as_service(dsn: str) -> None:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
+    try:
+        async with pgcoord.exclusive(pool, "roles:lock") as conn:
+            await conn.execute("select 1")
+        async with pgcoord.Lease(pool, "roles:lease", ttl=5) as fence:
+            async with pool.acquire() as conn, conn.transaction():
+                await pgcoord.check_fence(conn, "roles:lease", fence)
+        sched = pgcoord.Scheduler(pool)
+        ran = []
+
+        @sched.cron("roles:job", "0 0 1 1 *")
+        async def job(slot: pgcoord.Slot) -> None:
+            ran.append(slot)
+
+        await sched.trigger("roles:job")
+        await sched.prune("roles:job")
+        assert ran
+        async with pgcoord.LockHolder(dsn) as holder, holder.lock("roles:session"):
+            pass
+    finally:
+        await pool.close()
