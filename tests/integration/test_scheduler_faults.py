@@ -44,8 +44,18 @@ class Replicas:
         return {str(r) for (r,) in self.query(
             "select runner from pgcoord.job_slots where job = %s and state = 'running'", self.job)}
 
+    def wait_for_first_slot(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.query("select 1 from pgcoord.job_slots where job = %s limit 1", self.job):
+                return
+            time.sleep(0.05)
+        raise AssertionError("the replicas never started a slot")
+
     def chaos(self, seconds: float, rng: random.Random) -> int:
-        """Kill a replica that is running a slot, now and then; respawn it."""
+        """Kill a replica that is running a slot, now and then; respawn it. The clock
+        starts with the first slot, so slow process start-up does not eat the window."""
+        self.wait_for_first_slot()
         kills = 0
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
