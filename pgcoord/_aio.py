@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -33,3 +33,22 @@ async def finish_despite_cancel(aw: Awaitable[T]) -> T:
             raise asyncio.CancelledError
         raise asyncio.CancelledError from (None if task.cancelled() else task.exception())
     return task.result()
+
+
+def consume_result(task: asyncio.Future[Any]) -> None:
+    """Done-callback for an abandoned task: read its outcome so asyncio does not
+    log "exception was never retrieved" for a failure we already acted on."""
+    if not task.cancelled():
+        task.exception()
+
+
+def absorb_cancel() -> None:
+    """Withdraw the cancellation request that woke the current task.
+
+    Used where pgcoord itself cancelled a task (``stop()``, or a lost lock) and
+    turns that into a normal return or its own exception, so that enclosing
+    ``asyncio.timeout()`` blocks and task groups do not see a cancellation.
+    """
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()

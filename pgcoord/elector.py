@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._queries import query
@@ -220,7 +220,7 @@ class Elector:
                 done, _ = await asyncio.wait({attempt}, timeout=max(0.0, trust_until - attempt_sent))
                 if not done:
                     attempt.cancel()
-                    attempt.add_done_callback(_consume)
+                    attempt.add_done_callback(consume_result)
                     reason = "renewal did not answer within the trust window"
                     break
                 error = attempt.exception()
@@ -303,9 +303,7 @@ class Elector:
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+            absorb_cancel()
         finally:
             await finish_despite_cancel(self._drop_session())
             self._run_task = None
@@ -334,9 +332,5 @@ class Elector:
         finally:
             await conn.give_back()
 
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 

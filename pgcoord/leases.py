@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
 from ._drivers import (
     check_source,
     fetchval_on,
@@ -172,7 +172,7 @@ class Lease:
             done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
             if not done:
                 attempt.cancel()
-                attempt.add_done_callback(_consume)
+                attempt.add_done_callback(consume_result)
                 self._lose("no renewal succeeded before the trust window closed")
                 return
             error = attempt.exception()
@@ -236,15 +236,10 @@ class Lease:
         lost = self._lost
         await self.release()
         if lost is not None:
-            task = asyncio.current_task()
-            if task is not None and isinstance(exc, asyncio.CancelledError):
-                task.uncancel()
+            if isinstance(exc, asyncio.CancelledError):
+                absorb_cancel()
             raise LeaseLost(f"lease {self.name!r} lost: {lost}") from exc
 
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def _stale(exc: BaseException, name: str, fence: int) -> BaseException:

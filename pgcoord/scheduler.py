@@ -34,7 +34,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
-from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, absorb_cancel, finish_despite_cancel
 from ._drivers import check_source
 from ._queries import query
 from .leases import _run
@@ -235,9 +235,7 @@ class Scheduler:
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+            absorb_cancel()
         finally:
             await finish_despite_cancel(self._stop_runs())
             self._run_task = None

@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _errmap
-from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
 from ._holderconn import (
     ConnectionSource,
     HolderConnection,
@@ -102,7 +102,7 @@ class _Carrier:
         while not self.lost:
             await asyncio.sleep(interval)
             probe = asyncio.ensure_future(self.fetchval(query("holder_probe")))
-            probe.add_done_callback(_consume)
+            probe.add_done_callback(consume_result)
             done, _ = await asyncio.wait({probe}, timeout=interval)
             if not done:
                 probe.cancel()
@@ -163,10 +163,6 @@ _CALLS = {
 }
 
 
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
 
 class LockHolder:
     """Session advisory locks held on dedicated connections; see DESIGN §2.
@@ -222,7 +218,7 @@ class LockHolder:
     def _track(self, task: asyncio.Future[Any]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_consume)
+        task.add_done_callback(consume_result)
 
     @property
     def backend_pid(self) -> int | None:
@@ -416,9 +412,8 @@ class HeldLock:
         self.carrier = None
         try:
             if self.lost_reason is not None:
-                task = asyncio.current_task()
-                if task is not None and isinstance(exc, asyncio.CancelledError):
-                    task.uncancel()
+                if isinstance(exc, asyncio.CancelledError):
+                    absorb_cancel()
                 raise LockLost(f"lock {request.describe()} lost: {self.lost_reason}") from exc
             if carrier.dedicated:
                 await holder._retire(carrier)

@@ -102,3 +102,15 @@ def locks_in(dsn: str) -> Iterator[None]:
     """Fails the test if it leaves any advisory lock behind."""
     yield
     assert advisory_locks(dsn) == []
+
+
+def sql(dsn: str, statement: str, *params: object) -> list[tuple[object, ...]]:
+    """Run one statement in autocommit; its rows, if it returns any."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(statement, params or None)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+def unique(prefix: str) -> str:
+    """A name no other test uses: tests share one database."""
+    return f"{prefix}:{uuid.uuid4().hex[:8]}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,11 +14,8 @@ import pytest
 
 import pgcoord
 
+from .conftest import unique
 from .pgbouncer import PgBouncer
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}:{uuid.uuid4().hex[:8]}"
 
 
 class Replica:

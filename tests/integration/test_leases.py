@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
-from typing import Any
 
 import asyncpg
 import psycopg
@@ -17,17 +15,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
 
+from .conftest import sql, unique
 from .sources import open_async
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}:{uuid.uuid4().hex[:8]}"
-
-
-def sql(dsn: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(statement, params or None)
-        return cur.fetchall() if cur.description else []
 
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool", "sa-async-asyncpg"])
@@ -226,6 +215,7 @@ def test_the_sql_function_raises_its_own_sqlstate(dsn: str, fenced: tuple[str, i
 
 def test_a_takeover_waits_for_a_fenced_transaction_to_finish(dsn: str) -> None:
     name = unique("lease:share")
+    sql(dsn, "create table if not exists lease_fenced_writes (id serial, name text, fence bigint)")
     [(fence, _)] = sql(dsn, "select * from pgcoord.lease_acquire(%s, 'old', 300, null)", name)
     taken: list[float] = []
     with psycopg.connect(dsn) as writer:

@@ -43,7 +43,7 @@ async def test_status_fits_80_columns_names_locks_and_shows_leases_and_waiters(d
     assert max(len(line) for line in lines) <= 80, result.stdout
     text = result.stdout
     assert "status:a-rather-long" in text and "#" not in text  # names, never bare keys
-    assert "billing-work" in text and "waiting" in text and "waits for pid" in text
+    assert "billing-wo" in text and "waiting" in text and "waits for pid" in text
     assert "status:invoice-run" in text and "billing-7" in text
     rows = json.loads(as_json.stdout)
     kinds = {(r["kind"], r["name"], r["granted"]) for r in rows}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -16,17 +15,11 @@ import pytest
 import pgcoord
 from pgcoord.scheduler import Scheduler, Slot
 
+from .conftest import sql, unique
+
 UTC = dt.UTC
 
 
-def unique(prefix: str) -> str:
-    return f"{prefix}:{uuid.uuid4().hex[:8]}"
-
-
-def sql(dsn: str, statement: str, *params: Any) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(statement, params or None)
-        return cur.fetchall() if cur.description else []
 
 
 @pytest.fixture
