@@ -17,7 +17,6 @@ import os
 
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool, text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from pgcoord.migrations import (
     MIGRATE_LOCK_KEY,
@@ -132,6 +131,10 @@ def run_online() -> None:
 
 
 async def _run_async(url: str) -> None:
+    # Imported here: SQLAlchemy's asyncio support needs greenlet, which only
+    # asyncpg URLs require.
+    from sqlalchemy.ext.asyncio import create_async_engine
+
     engine = create_async_engine(url, poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
