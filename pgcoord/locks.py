@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any, NoReturn
 
-from . import _errmap
+from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
 from ._drivers import check_source, tx_session
 from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
@@ -73,10 +73,17 @@ class LockRequest:
     def describe(self) -> str:
         return repr(self.name) if self.name is not None else str(self.key)
 
+    @property
+    def metric_name(self) -> str:
+        # Metrics are labelled by name only: numeric keys share one label so
+        # that cardinality stays bounded.
+        return self.name if self.name is not None else "(numeric key)"
+
     def translate(self, exc: BaseException) -> PgcoordError | None:
         """The pgcoord error for a driver error raised while taking this lock."""
         code = _errmap.sqlstate(exc)
         if code == _errmap.SQLSTATE_LOCK_BUSY:
+            metrics.busy(self.metric_name)
             if self.timeout == 0:
                 return LockTimeout(f"advisory lock {self.describe()} not granted within 0s")
             return LockBusy(f"advisory lock {self.describe()} is held by another session")
@@ -158,6 +165,7 @@ class ExclusiveLock:
             await finish_despite_cancel(self._abort_async(session))
             self.request.raise_translated(exc)
         self.wait_seconds = time.monotonic() - started
+        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
         return conn
 
     async def __aexit__(
@@ -224,6 +232,7 @@ class ExclusiveLock:
             self._abort_sync(session)
             self.request.raise_translated(exc)
         self.wait_seconds = time.monotonic() - started
+        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
         return conn
 
     def __exit__(

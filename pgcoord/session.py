@@ -24,7 +24,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-from . import _errmap
+from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
 from ._holderconn import (
     ConnectionSource,
@@ -334,6 +334,7 @@ class HeldLock:
             holder._unqueue(request.key)
             raise
         self.carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
+        metrics.lock_wait(self.request.metric_name, time.monotonic() - started)
         if self.carrier.dedicated:
             self.carrier.start_probe()
         return self
@@ -342,6 +343,7 @@ class HeldLock:
         """Queue behind this process's other holders of the key (FIFO)."""
         if not self.request.wait:
             if queue.locked():
+                metrics.busy(self.request.metric_name)
                 raise LockBusy(f"lock {self.request.describe()} is held in this process")
             await queue.acquire()
             return
@@ -370,6 +372,7 @@ class HeldLock:
         if got:
             return main
         if not request.wait or request.timeout == 0:
+            metrics.busy(request.metric_name)
             raise (LockTimeout if request.timeout == 0 else LockBusy)(
                 f"lock {request.describe()} is held by another session"
             )
@@ -412,6 +415,7 @@ class HeldLock:
         self.carrier = None
         try:
             if self.lost_reason is not None:
+                metrics.lock_lost(request.metric_name, self.lost_reason)
                 if isinstance(exc, asyncio.CancelledError):
                     absorb_cancel()
                 raise LockLost(f"lock {request.describe()} lost: {self.lost_reason}") from exc

@@ -166,3 +166,26 @@ async def _as_service(dsn: str) -> None:
             pass
     finally:
         await pool.close()
+
+
+async def test_lock_metrics_count_waits_busy_results_and_losses(dsn: str) -> None:
+    from prometheus_client import REGISTRY
+
+    name = f"metrics-lock:{uuid.uuid4().hex[:6]}"
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=3)
+    try:
+        async with pgcoord.exclusive(pool, name):
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.exclusive(pool, name, wait=False):
+                    pass
+        async with pgcoord.LockHolder(dsn, keepalive=1.0) as holder:
+            with pytest.raises(pgcoord.LockLost):
+                async with holder.lock(name):
+                    with psycopg.connect(dsn, autocommit=True) as admin:
+                        admin.execute("select pg_terminate_backend(%s)", (holder.backend_pid,))
+                    await asyncio.sleep(5)
+    finally:
+        await pool.close()
+    assert REGISTRY.get_sample_value("pgcoord_lock_wait_seconds_count", {"name": name}) == 2
+    assert REGISTRY.get_sample_value("pgcoord_lock_busy_total", {"name": name}) == 1
+    assert REGISTRY.get_sample_value("pgcoord_locks_lost_total", {"name": name}) == 1
