@@ -8,6 +8,7 @@ The SQL function ``pgcoord.lock_key(text)`` computes the same number.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -30,7 +31,12 @@ def lock_key(key: LockKeyLike) -> int:
         if not INT64_MIN <= key <= INT64_MAX:
             raise ValueError(f"lock key {key} is outside the signed 64-bit range")
         return key
-    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return _hash_name(key)
+
+
+@lru_cache(maxsize=4096)
+def _hash_name(name: str) -> int:
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 

@@ -8,6 +8,7 @@ it behind. Timeouts are the server's ``lock_timeout``, never client polling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -56,19 +57,7 @@ class LockRequest:
         fn = "pg_advisory" + ("_xact" if scope == "xact" else "") + "_lock"
         if shared:
             fn += "_shared"
-        if not wait or timeout == 0:
-            inline = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=self.key)
-            self.statement = LockStatement(inline, inline, ())
-        elif timeout is None:
-            self.statement = LockStatement(
-                query("advisory_wait").format(fn=fn, key=self.key),
-                query("advisory_call").format(fn=fn),
-                (self.key,),
-            )
-        else:
-            timeout_ms = max(1, math.ceil(timeout * 1000))
-            inline = query("advisory_timeout").format(fn=fn, key=self.key, timeout_ms=timeout_ms)
-            self.statement = LockStatement(inline, inline, ())
+        self.statement = _statement(self.key, fn, wait, timeout)
 
     def describe(self) -> str:
         return repr(self.name) if self.name is not None else str(self.key)
@@ -103,6 +92,20 @@ class LockRequest:
         if mapped is None:
             raise exc
         raise mapped from exc
+
+
+@functools.lru_cache(maxsize=4096)
+def _statement(key: int, fn: str, wait: bool, timeout: float | None) -> LockStatement:
+    """The lock statement for one key and mode; cached, as services reuse their keys."""
+    if not wait or timeout == 0:
+        inline = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=key)
+        return LockStatement(inline, inline, ())
+    if timeout is None:
+        return LockStatement(query("advisory_wait").format(fn=fn, key=key),
+                             query("advisory_call").format(fn=fn), (key,))
+    timeout_ms = max(1, math.ceil(timeout * 1000))
+    inline = query("advisory_timeout").format(fn=fn, key=key, timeout_ms=timeout_ms)
+    return LockStatement(inline, inline, ())
 
 
 def exclusive(

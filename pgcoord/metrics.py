@@ -57,6 +57,20 @@ def warm_up() -> None:
     _prometheus()
 
 
+# Labelled children, looked up once per (metric, name): prometheus_client's
+# labels() takes a lock and builds a key on every call, on the lock hot path.
+_children: dict[tuple[str, str], Any] = {}
+
+
+def _child(metric: str, name: str) -> Any:
+    child = _children.get((metric, name))
+    if child is None:
+        prom = _prometheus()
+        assert prom is not None
+        child = _children[(metric, name)] = prom[metric].labels(name)
+    return child
+
+
 def _emit(event: str, name: str, level: int = logging.DEBUG, **fields: Any) -> None:
     if log.isEnabledFor(level):
         log.log(level, "%s %s %s", event, name, fields,
@@ -86,14 +100,14 @@ def fence_rejected(name: str, fence: int) -> None:
 
 def lock_wait(name: str, seconds: float) -> None:
     _emit("lock_granted", name, waited=round(seconds, 6))
-    if (prom := _prometheus()) is not None:
-        prom["lock_wait"].labels(name).observe(seconds)
+    if _prometheus() is not None:
+        _child("lock_wait", name).observe(seconds)
 
 
 def busy(name: str) -> None:
     _emit("lock_busy", name)
-    if (prom := _prometheus()) is not None:
-        prom["busy"].labels(name).inc()
+    if _prometheus() is not None:
+        _child("busy", name).inc()
 
 
 def lock_lost(name: str, reason: str) -> None:
