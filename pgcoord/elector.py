@@ -166,7 +166,9 @@ class Elector:
             if rang:  # the bell was free but someone leads without it: let it go
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
                                  self._doorbell)
-            if self.polling or not rang:
+            # After a doorbell wait that timed out, wait on it again at once: a
+            # pause here would be a window in which a leader's death goes unheard.
+            if self.polling or rang:
                 await asyncio.sleep(self.ttl / 3 * random.uniform(0.8, 1.0))
 
     async def _call_execute(self, sql: str) -> None:

@@ -197,3 +197,18 @@ def test_bad_elector_arguments_raise_at_construction(dsn: str) -> None:
         pgcoord.Elector(dsn, "", ttl=1)
     with pytest.raises(ValueError):
         pgcoord.Elector(dsn, "x", ttl=1, driver="jdbc")
+
+
+async def test_a_follower_hears_the_doorbell_at_any_moment_of_its_wait(dsn: str) -> None:
+    """A follower's doorbell wait times out every ttl; between two waits it must not
+    pause, or a leader dying in that pause is heard late."""
+    async with replicas(dsn, 2, ttl=0.6) as group:
+        await until(lambda: len(leaders(group)) == 1, 10)
+        for i in range(8):
+            await asyncio.sleep(0.65 + 0.09 * i)  # land at a different point of the cycle
+            leader = leaders(group)[0]
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute("select pg_terminate_backend(%s)",
+                              (leader.elector._conn.backend_pid,))  # type: ignore[union-attr]
+            took = await until(lambda: any(r.elector.is_leader for r in group if r is not leader), 2)
+            assert took < 0.08, took
