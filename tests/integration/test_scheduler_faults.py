@@ -85,6 +85,20 @@ class Replicas:
         time.sleep(seconds)
         self.stop()
 
+    def run_with_kills(self, replicas: int, seconds: float, seed: int, settle: float) -> int:
+        """Start the replicas, kill busy ones at random for ``seconds``, stop them all,
+        then let one fresh replica sweep up; the number of kills."""
+        for _ in range(replicas):
+            self.spawn()
+        try:
+            kills = self.chaos(seconds, random.Random(seed))
+            self.stop()
+            self.settle(settle)
+        finally:
+            for p in self.procs:
+                p.kill()
+        return kills
+
     def assert_every_slot_accounted_for(self) -> list[tuple[object, ...]]:
         rows = self.query("select slot_at, state, extract(epoch from slot_at)::bigint"
                           " from pgcoord.job_slots where job = %s and not manual order by slot_at",
@@ -100,15 +114,7 @@ class Replicas:
 @pytest.mark.parametrize("mode", ["skip"])
 def test_each_slot_starts_at_most_once_under_random_sigkills(dsn: str, mode: str) -> None:
     fleet = Replicas(dsn, mode)
-    for _ in range(4):
-        fleet.spawn()
-    try:
-        kills = fleet.chaos(11, random.Random(11))
-        fleet.stop()
-        fleet.settle(2.5)
-    finally:
-        for p in fleet.procs:
-            p.kill()
+    kills = fleet.run_with_kills(replicas=4, seconds=11, seed=11, settle=2.5)
     assert kills >= 3
     rows = fleet.assert_every_slot_accounted_for()
     assert len(rows) >= 10
@@ -121,17 +127,9 @@ def test_each_slot_starts_at_most_once_under_random_sigkills(dsn: str, mode: str
 
 def test_retry_finishes_a_killed_slot_once(dsn: str) -> None:
     fleet = Replicas(dsn, "retry")
-    for _ in range(2):
-        fleet.spawn()
-    try:
-        kills = fleet.chaos(6, random.Random(5))
-        fleet.stop()
-        fleet.settle(3.0)
-    finally:
-        for p in fleet.procs:
-            p.kill()
+    kills = fleet.run_with_kills(replicas=2, seconds=6, seed=5, settle=3.0)
     assert kills >= 2
-    rows = fleet.assert_every_slot_accounted_for()
+    fleet.assert_every_slot_accounted_for()
     retried = fleet.query(
         "select slot_at, state from pgcoord.job_slots where job = %s and attempt > 1", fleet.job)
     assert retried and all(state == "succeeded" for _, state in retried)
@@ -139,15 +137,7 @@ def test_retry_finishes_a_killed_slot_once(dsn: str) -> None:
 
 def test_transactional_effects_happen_exactly_once_under_kills(dsn: str) -> None:
     fleet = Replicas(dsn, "transactional")
-    for _ in range(3):
-        fleet.spawn()
-    try:
-        kills = fleet.chaos(8, random.Random(3))
-        fleet.stop()
-        fleet.settle(3.0)
-    finally:
-        for p in fleet.procs:
-            p.kill()
+    kills = fleet.run_with_kills(replicas=3, seconds=8, seed=3, settle=3.0)
     assert kills >= 2
     fleet.assert_every_slot_accounted_for()
     succeeded = {r[0] for r in fleet.query(
