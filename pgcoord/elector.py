@@ -158,6 +158,11 @@ class Elector:
                 except Exception as exc:
                     if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
                         raise
+                    # The leader may have gone just after the wait gave up: take
+                    # the bell now if it is free, so that a lease won here is
+                    # tied to this session (and a crash of ours is heard at once).
+                    rang = bool(await self._call(
+                        query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell))
             sent = time.monotonic()
             fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
                                      self._conn.backend_pid if rang else None)

@@ -60,13 +60,17 @@ class Replicas:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(rng.uniform(0.6, 1.4))
-            busy = self.running_runners()
-            victims = [i for i, p in enumerate(self.procs)
-                       if p.poll() is None and f"r{i + 1}" in busy]
-            if victims:
-                self.procs[rng.choice(victims)].kill()
-                kills += 1
-                self.spawn()
+            # Wait (briefly) for a replica that is in the middle of a slot.
+            for _ in range(20):
+                busy = self.running_runners()
+                victims = [i for i, p in enumerate(self.procs)
+                           if p.poll() is None and f"r{i + 1}" in busy]
+                if victims:
+                    self.procs[rng.choice(victims)].kill()
+                    kills += 1
+                    self.spawn()
+                    break
+                time.sleep(0.05)
         return kills
 
     def stop(self) -> None:
