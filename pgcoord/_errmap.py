@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+
+from .errors import PgcoordError
 
 SQLSTATE_LOCK_BUSY = "PC001"        # raised by sql/queries.sql advisory_try
 SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
@@ -34,3 +37,19 @@ def sqlstate(exc: BaseException) -> str | None:
             if isinstance(code, str) and len(code) == 5:
                 return code
     return None
+
+
+# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now.
+_SESSION_ENDED = ("57P01", "57P02", "57P03")
+
+
+def session_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` means the session itself is gone (not just a statement failed).
+
+    A connection exception (class 08), the server ending the session, or an error
+    with no SQLSTATE at all: the socket broke or the driver gave up on it.
+    """
+    code = sqlstate(exc)
+    if code is None:
+        return not isinstance(exc, asyncio.CancelledError | PgcoordError)
+    return code.startswith("08") or code in _SESSION_ENDED

@@ -34,7 +34,7 @@ from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._queries import query
 from .errors import SchemaMissing
-from .leases import default_holder, map_lease_error, trust_margin, validate_name, validate_ttl
+from .leases import map_lease_error, trust_margin, validate_holder, validate_name, validate_ttl
 
 __all__ = ["Elector"]
 
@@ -60,9 +60,7 @@ class Elector:
             )
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
-        if holder is not None and (not isinstance(holder, str) or not holder):
-            raise ValueError("holder must be a non-empty str")
-        self.holder = holder or default_holder()
+        self.holder = validate_holder(holder)
         self.application_name = (application_name or f"pgcoord-elector:{name}")[:63]
         self._source = DsnSource(dsn, driver, keepalive=self.ttl)
         self._doorbell_name = f"pgcoord.elector:{name}"
@@ -135,8 +133,7 @@ class Elector:
             mapped = map_lease_error(exc)
             if isinstance(mapped, SchemaMissing):
                 raise mapped from exc
-            code = _errmap.sqlstate(exc)
-            if code is None or code.startswith("08") or code in ("57P01", "57P02", "57P03"):
+            if _errmap.session_gone(exc):
                 raise _SessionLost(repr(exc)) from exc
             raise
 
@@ -185,8 +182,7 @@ class Elector:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            code = _errmap.sqlstate(exc)
-            if code is None or code.startswith("08") or code in ("57P01", "57P02", "57P03"):
+            if _errmap.session_gone(exc):
                 raise _SessionLost(repr(exc)) from exc
             raise
 

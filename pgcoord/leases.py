@@ -35,7 +35,7 @@ from ._drivers.base import AsyncTxSession
 from ._queries import query
 from .errors import LeaseLost, LockBusy, LockTimeout, SchemaMissing, StaleFence
 
-__all__ = ["Lease", "check_fence", "default_holder", "trust_margin"]
+__all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
 log = logging.getLogger("pgcoord.leases")
 
@@ -67,6 +67,15 @@ def validate_name(name: Any) -> str:
     if not name:
         raise ValueError("lease name must not be empty")
     return name
+
+
+def validate_holder(holder: Any) -> str:
+    """The holder name as given, or a default one; a non-empty str either way."""
+    if holder is None:
+        return default_holder()
+    if not isinstance(holder, str) or not holder:
+        raise ValueError("holder must be a non-empty str")
+    return holder
 
 
 def map_lease_error(exc: BaseException) -> BaseException:
@@ -104,9 +113,7 @@ class Lease:
         check_source(source, need_async=True)
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
-        if holder is not None and (not isinstance(holder, str) or not holder):
-            raise ValueError("holder must be a non-empty str")
-        self.holder = holder or default_holder()
+        self.holder = validate_holder(holder)
         self._source = source
         self.fence: int | None = None
         self._trust_until = 0.0

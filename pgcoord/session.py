@@ -41,19 +41,6 @@ __all__ = ["HeldLock", "LockHolder"]
 
 log = logging.getLogger("pgcoord.session")
 
-# SQLSTATEs after which the session is gone: connection exceptions (class 08)
-# and the server ending it (admin_shutdown, crash_shutdown, cannot_connect_now).
-_SESSION_GONE = ("57P01", "57P02", "57P03")
-
-
-def _session_gone(exc: BaseException) -> bool:
-    code = _errmap.sqlstate(exc)
-    if code is None:
-        # No server error at all: the socket broke or the driver gave up on it.
-        return not isinstance(exc, asyncio.CancelledError | PgcoordError)
-    return code.startswith("08") or code in _SESSION_GONE
-
-
 class _Carrier:
     """One connection and the locks it carries."""
 
@@ -78,7 +65,7 @@ class _Carrier:
             async with self._io:
                 return await self.conn.fetchval(sql, *args)
         except BaseException as exc:
-            if _session_gone(exc):
+            if _errmap.session_gone(exc):
                 self.mark_lost(f"{type(exc).__name__}: {exc}")
             raise
 
@@ -89,7 +76,7 @@ class _Carrier:
             async with self._io:
                 await self.conn.execute(sql)
         except BaseException as exc:
-            if _session_gone(exc):
+            if _errmap.session_gone(exc):
                 self.mark_lost(f"{type(exc).__name__}: {exc}")
             raise
 
