@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-from .errors import PgcoordError
+from .errors import PgcoordError, SchemaMissing
 
 SQLSTATE_LOCK_BUSY = "PC001"        # raised by sql/queries.sql advisory_try
 SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
 SQLSTATE_DEADLOCK = "40P01"
 SQLSTATE_OUT_OF_SHARED_MEMORY = "53200"
-SQLSTATE_UNDEFINED_TABLE = "42P01"
-SQLSTATE_INVALID_SCHEMA = "3F000"
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -53,3 +51,15 @@ def session_gone(exc: BaseException) -> bool:
     if code is None:
         return not isinstance(exc, asyncio.CancelledError | PgcoordError)
     return code.startswith("08") or code in _SESSION_ENDED
+
+
+# undefined_table, invalid_schema_name, undefined_function: pgcoord's schema is
+# not installed (or not at the revision this code needs).
+_SCHEMA_MISSING = ("42P01", "3F000", "42883")
+
+
+def as_schema_missing(exc: BaseException) -> BaseException:
+    """``SchemaMissing`` for an error that says the schema is absent, else ``exc``."""
+    if sqlstate(exc) in _SCHEMA_MISSING:
+        return SchemaMissing()
+    return exc

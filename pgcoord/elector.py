@@ -34,7 +34,7 @@ from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._queries import query
 from .errors import SchemaMissing
-from .leases import map_lease_error, trust_margin, validate_holder, validate_name, validate_ttl
+from .leases import trust_margin, validate_holder, validate_name, validate_ttl
 
 __all__ = ["Elector"]
 
@@ -130,7 +130,7 @@ class Elector:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            mapped = map_lease_error(exc)
+            mapped = _errmap.as_schema_missing(exc)
             if isinstance(mapped, SchemaMissing):
                 raise mapped from exc
             if _errmap.session_gone(exc):
@@ -328,7 +328,7 @@ class Elector:
             await conn.prepare()
             return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
         except Exception as exc:
-            mapped = map_lease_error(exc)
+            mapped = _errmap.as_schema_missing(exc)
             if mapped is exc:
                 raise
             raise mapped from exc

@@ -29,18 +29,16 @@ from ._drivers import (
     fetchval_on,
     fetchval_on_sync,
     is_async_connection,
-    tx_session,
+    run_statement,
 )
-from ._drivers.base import AsyncTxSession
 from ._queries import query
-from .errors import LeaseLost, LockBusy, LockTimeout, SchemaMissing, StaleFence
+from .errors import LeaseLost, LockBusy, LockTimeout, StaleFence
 
 __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
 log = logging.getLogger("pgcoord.leases")
 
 SQLSTATE_STALE_FENCE = "PC002"
-_SCHEMA_MISSING = ("42P01", "3F000", "42883")
 
 
 def default_holder() -> str:
@@ -76,29 +74,6 @@ def validate_holder(holder: Any) -> str:
     if not isinstance(holder, str) or not holder:
         raise ValueError("holder must be a non-empty str")
     return holder
-
-
-def map_lease_error(exc: BaseException) -> BaseException:
-    code = _errmap.sqlstate(exc)
-    if code in _SCHEMA_MISSING:
-        return SchemaMissing()
-    return exc
-
-
-async def _run(source: Any, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """One autocommit statement through any async source; its first row."""
-    session = tx_session(source, want_async=True)
-    assert isinstance(session, AsyncTxSession)
-    await session.checkout()
-    try:
-        return await session.run_autocommit(sql, params)
-    except Exception as exc:
-        mapped = map_lease_error(exc)
-        if mapped is exc:
-            raise
-        raise mapped from exc
-    finally:
-        await finish_despite_cancel(session.checkin())
 
 
 class Lease:
@@ -150,7 +125,7 @@ class Lease:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             sent = time.monotonic()
-            row = await _run(self._source, query("lease_acquire"),
+            row = await run_statement(self._source, query("lease_acquire"),
                              (self.name, self.holder, self._ttl_ms, None))
             if row is not None:
                 self.fence, self._lost = int(row[0]), None
@@ -173,7 +148,7 @@ class Lease:
         while self.fence is not None:
             await asyncio.sleep(max(0.0, self._next_renewal - time.monotonic()))
             sent = time.monotonic()
-            attempt = asyncio.ensure_future(_run(
+            attempt = asyncio.ensure_future(run_statement(
                 self._source, query("lease_renew"), (self.name, self.holder, self.fence, self._ttl_ms)
             ))
             done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
@@ -224,7 +199,7 @@ class Lease:
         async def give_up() -> None:
             try:
                 async with asyncio.timeout(CLEANUP_TIMEOUT):
-                    await _run(self._source, query("lease_release"), (self.name, self.holder, fence))
+                    await run_statement(self._source, query("lease_release"), (self.name, self.holder, fence))
             except Exception as exc:  # it expires on its own; never mask the caller's error
                 log.warning("releasing lease %r failed (it will expire): %r", self.name, exc)
 
@@ -255,7 +230,7 @@ def _stale(exc: BaseException, name: str, fence: int) -> BaseException:
         metrics.fence_rejected(name, fence)
         message = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         return StaleFence(message)
-    return map_lease_error(exc)
+    return _errmap.as_schema_missing(exc)
 
 
 def check_fence(conn: Any, name: str, fence: int) -> Any:

@@ -35,9 +35,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 
 from ._aio import CLEANUP_TIMEOUT, absorb_cancel, finish_despite_cancel
-from ._drivers import check_source
+from ._drivers import check_source, run_statement
 from ._queries import query
-from .leases import _run
 from .locks import exclusive
 
 __all__ = ["Scheduler", "Slot"]
@@ -214,7 +213,7 @@ class Scheduler:
         self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
         try:
             for spec in self.jobs.values():
-                row = await _run(self._source, query("job_register"),
+                row = await run_statement(self._source, query("job_register"),
                                  (spec.name, spec.expr, spec.tz.key))
                 assert row is not None
                 spec.registered_at = row[0]
@@ -261,7 +260,7 @@ class Scheduler:
     async def tick(self) -> float:
         """One pass over every job; returns when (database epoch seconds) to look again."""
         names = list(self.jobs)
-        row = await _run(self._source, query("job_state"), (names,))
+        row = await run_statement(self._source, query("job_state"), (names,))
         assert row is not None
         now, lasts = row[0], row[1]
         self._clock_offset = now.timestamp() - time.time()
@@ -316,7 +315,7 @@ class Scheduler:
                 else:
                     run.append(at)
         for reason, slots in missed.items():
-            await _run(self._source, query("job_mark_missed"), (spec.name, slots, reason))
+            await run_statement(self._source, query("job_mark_missed"), (spec.name, slots, reason))
         # With catch_up="all" a backlog runs one slot after another: a slot due
         # while another runs waits for a later tick instead of being skipped.
         on_overlap = ("run" if spec.allow_overlap
@@ -324,7 +323,7 @@ class Scheduler:
         for at in run:
             if spec.jitter:
                 await asyncio.sleep(random.uniform(0, spec.jitter))
-            claim = await _run(self._source, query("job_claim"),
+            claim = await run_statement(self._source, query("job_claim"),
                                (spec.name, at, self.runner, int(spec.claim_ttl * 1000), on_overlap))
             if claim is None:
                 continue  # another replica has it
@@ -339,7 +338,7 @@ class Scheduler:
                 log.info("job %r slot %s skipped: the previous run is still going", spec.name, at)
 
     async def _recover(self, spec: Job) -> None:
-        row = await _run(self._source, query("job_recover"),
+        row = await run_statement(self._source, query("job_recover"),
                          (spec.name, self.runner, int(spec.claim_ttl * 1000),
                           spec.on_crash == "retry", spec.max_attempts))
         if row is not None:
@@ -352,7 +351,7 @@ class Scheduler:
         spec = self._job(job)
         total = 0
         while True:
-            row = await _run(self._source, query("job_prune"),
+            row = await run_statement(self._source, query("job_prune"),
                              (spec.name, int(spec.keep * 1000), batch))
             deleted = int(row[0]) if row else 0
             total += deleted
@@ -376,7 +375,7 @@ class Scheduler:
     async def trigger(self, job: str) -> Slot:
         """Run ``job`` now, on this replica, without using up a scheduled slot."""
         spec = self._job(job)
-        row = await _run(self._source, query("job_claim_now"),
+        row = await run_statement(self._source, query("job_claim_now"),
                          (spec.name, self.runner, int(spec.claim_ttl * 1000)))
         assert row is not None
         slot = Slot(spec.name, row[2], int(row[1]), manual=True)
@@ -424,7 +423,7 @@ class Scheduler:
             reason = None
         try:
             async with asyncio.timeout(CLEANUP_TIMEOUT):
-                row = await _run(self._source, query("job_finish"),
+                row = await run_statement(self._source, query("job_finish"),
                                  (spec.name, slot.at, self.runner, slot.attempt, outcome, reason, error))
         except Exception as exc:
             log.warning("job %r slot %s: could not record %s: %r", spec.name, slot.at, outcome, exc)
@@ -452,7 +451,7 @@ class Scheduler:
         while True:
             await asyncio.sleep(interval)
             try:
-                row = await _run(self._source, query("job_heartbeat"),
+                row = await run_statement(self._source, query("job_heartbeat"),
                                  (spec.name, slot.at, self.runner, slot.attempt,
                                   int(spec.claim_ttl * 1000)))
             except Exception as exc:

@@ -9,9 +9,8 @@ import shutil
 import time
 from typing import Any
 
-from ._errmap import SQLSTATE_INVALID_SCHEMA, SQLSTATE_UNDEFINED_TABLE, sqlstate
+from ._errmap import as_schema_missing
 from ._queries import query
-from .errors import SchemaMissing
 
 Row = dict[str, Any]
 
@@ -27,9 +26,10 @@ def fetch_holders(dsn: str) -> list[Row]:
         with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status") as conn:
             return list(conn.cursor(row_factory=dict_row).execute(query("holders_list")))
     except Exception as exc:
-        if sqlstate(exc) in (SQLSTATE_UNDEFINED_TABLE, SQLSTATE_INVALID_SCHEMA):
-            raise SchemaMissing() from exc
-        raise
+        mapped = as_schema_missing(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
 
 
 async def _fetch_asyncpg(dsn: str) -> list[Row]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _errmap
+from .._aio import finish_despite_cancel
 from ..errors import UnsupportedConnection
 from .base import AsyncTxSession, SyncTxSession
 
@@ -149,3 +151,21 @@ def is_async_connection(conn: Any) -> bool:
 
         return isinstance(conn, AsyncConnection)
     raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")
+
+
+async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """One ``$n``-parameter statement in a transaction of its own, through any async
+    source (a pool's connection is checked out and given back); its first row.
+    A missing pgcoord schema raises ``SchemaMissing``."""
+    session = tx_session(source, want_async=True)
+    assert isinstance(session, AsyncTxSession)
+    await session.checkout()
+    try:
+        return await session.run_autocommit(sql, params)
+    except Exception as exc:
+        mapped = _errmap.as_schema_missing(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+    finally:
+        await finish_despite_cancel(session.checkin())
