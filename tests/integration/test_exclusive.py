@@ -377,3 +377,20 @@ async def test_a_sync_source_in_async_with_says_which_with_to_use(dsn: str) -> N
                 pass
     with pytest.raises(pgcoord.UnsupportedConnection):
         pgcoord.exclusive(object(), 1)
+
+
+async def test_a_name_is_recorded_once_per_process_and_then_costs_nothing(dsn: str) -> None:
+    name = f"exclusive:recorded-once:{id(object())}"
+    async with open_async("asyncpg-pool", dsn) as source:
+        async with pgcoord.exclusive(source, name):
+            pass
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute("select name from pgcoord.lock_names where key = %s",
+                                 (pgcoord.lock_key(name),)).fetchall() == [(name,)]
+            admin.execute("delete from pgcoord.lock_names where key = %s", (pgcoord.lock_key(name),))
+        # No second insert: the process remembers the name was recorded.
+        async with pgcoord.exclusive(source, name):
+            pass
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute("select count(*) from pgcoord.lock_names where key = %s",
+                                 (pgcoord.lock_key(name),)).fetchone() == (0,)

@@ -83,7 +83,12 @@ async def test_a_borrowed_connection_goes_back_holding_nothing(kind: str, dsn: s
             assert main is not None
             await main.fetchval("select pg_advisory_lock(78)")
         assert advisory_locks(dsn) == []
-        # The pool still works, and its connections carry none of the holder's settings.
+        # The pooled connections no longer carry the holder's settings (RESET, or closed).
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute(
+                "select count(*) from pg_stat_activity where application_name = 'pgcoord-holder'"
+            ).fetchone() == (0,)
+        # And the pool still works.
         async with pgcoord.exclusive(_tx_source(source), "holder:after", wait=False):
             pass
     assert advisory_locks(dsn) == []
