@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -20,7 +20,18 @@ async def finish_despite_cancel(aw: Awaitable[T]) -> T:
     is over, so the caller still sees ``CancelledError`` but never leaves a lock
     or a dirty connection behind. ``aw`` must bound its own duration.
     """
-    task = asyncio.ensure_future(aw)
+    if asyncio.iscoroutine(aw):
+        # Most cleanups (a connection given back to an idle pool) finish without
+        # ever suspending. Run the first step here, where no cancellation can
+        # reach it, and pay for a shielded task only if the cleanup has to wait.
+        coro = cast(Coroutine[Any, Any, T], aw)
+        try:
+            waiting_on = coro.send(None)
+        except StopIteration as finished:
+            return cast(T, finished.value)
+        task: asyncio.Future[T] = asyncio.ensure_future(_resume(coro, waiting_on))
+    else:
+        task = asyncio.ensure_future(aw)
     cancelled = False
     while not task.done():
         try:
@@ -33,6 +44,29 @@ async def finish_despite_cancel(aw: Awaitable[T]) -> T:
             raise asyncio.CancelledError
         raise asyncio.CancelledError from (None if task.cancelled() else task.exception())
     return task.result()
+
+
+async def _resume(coro: Coroutine[Any, Any, T], waiting_on: Any) -> T:
+    """Carry on a coroutine that was stepped by hand and is suspended on
+    ``waiting_on``, what it yielded to the event loop: a future, or None for a
+    bare yield. This does for it what an asyncio task would have done."""
+    while True:
+        if waiting_on is None:
+            await asyncio.sleep(0)
+        elif not asyncio.isfuture(waiting_on):
+            coro.throw(RuntimeError(f"cleanup yielded {waiting_on!r}, not a future"))
+        else:
+            waiting_on._asyncio_future_blocking = False
+            try:
+                await asyncio.wait([waiting_on])
+            except asyncio.CancelledError:
+                # As for a task: the awaited future is cancelled, and the
+                # coroutine sees that when it reads the outcome.
+                waiting_on.cancel()
+        try:
+            waiting_on = coro.send(None)
+        except StopIteration as finished:
+            return cast(T, finished.value)
 
 
 def consume_result(task: asyncio.Future[Any]) -> None:
