@@ -12,6 +12,13 @@ SELECT pg_catalog.{fn}({key})
 -- statements (psycopg, SQLAlchemy): one plan serves every key.
 SELECT pg_catalog.{fn}($1)
 
+-- name: begin_and_lock
+-- BEGIN and the lock in one simple-protocol message, so they share a round trip.
+-- {mode} is empty or the transaction's characteristics (ISOLATION LEVEL ..., READ
+-- ONLY, DEFERRABLE) picked from fixed lists in Python; {lock} is one of the
+-- advisory_* statements with its key inlined.
+BEGIN{mode}; {lock}
+
 -- name: advisory_try
 -- The try form raises instead of returning false so that it can share a round
 -- trip with BEGIN in one simple-protocol message.

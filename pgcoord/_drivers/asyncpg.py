@@ -8,7 +8,7 @@ import asyncpg
 import asyncpg.pool
 from asyncpg.transaction import Transaction, TransactionState
 
-from .base import AsyncTxSession, LockStatement
+from .base import AsyncTxSession, LockStatement, begin_and_lock
 
 CONNECTION_TYPES = (asyncpg.Connection, asyncpg.pool.PoolConnectionProxy)
 POOL_TYPES = (asyncpg.Pool,)
@@ -19,9 +19,25 @@ def _raw(conn: Any) -> Any:
     return getattr(conn, "_con", None) or conn
 
 
-def _can_adopt(conn: Any) -> bool:
-    raw = _raw(conn)
-    return hasattr(raw, "_top_xact") and hasattr(Transaction, "start")
+def can_adopt(conn: Any) -> bool:
+    """Whether asyncpg still keeps its transaction where :func:`begin_locked_adopted` puts it."""
+    return hasattr(_raw(conn), "_top_xact") and hasattr(Transaction, "start")
+
+
+async def begin_locked_adopted(conn: Any, message: str) -> Transaction:
+    """Send ``BEGIN; <lock>`` as one simple-protocol message, and return it as
+    asyncpg's own transaction.
+
+    asyncpg only lets ``Connection.transaction()`` nest (as savepoints) inside a
+    transaction it started itself, so the transaction is registered as one: the
+    body can then use ``conn.transaction()`` normally.
+    """
+    raw = _raw(conn)  # a pool proxy's methods cost a dispatch each
+    await raw.execute(message)
+    tx = raw.transaction()
+    tx._state = TransactionState.STARTED
+    raw._top_xact = tx
+    return tx
 
 
 class AsyncpgSession(AsyncTxSession):
@@ -39,27 +55,19 @@ class AsyncpgSession(AsyncTxSession):
         return self.conn
 
     def in_transaction(self) -> bool:
-        return bool(self.conn.is_in_transaction())
+        return bool(_raw(self.conn).is_in_transaction())
 
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         row = await self.conn.fetchrow(sql, *params)
         return None if row is None else tuple(row)
 
     async def begin_locked(self, lock: LockStatement) -> None:
-        if not _can_adopt(self.conn):
+        if not can_adopt(self.conn):
             self._tx = self.conn.transaction()
             await self._tx.start()
             await self.conn.execute(lock.bound, *lock.params)
             return
-        # One simple-protocol message: BEGIN and the lock share a round trip.
-        await self.conn.execute(f"BEGIN;{lock.inline}")
-        # asyncpg only lets Connection.transaction() nest (as savepoints) inside
-        # a transaction it started itself, so register this one as its own:
-        # the body can then use conn.transaction() normally.
-        tx = self.conn.transaction()
-        tx._state = TransactionState.STARTED
-        _raw(self.conn)._top_xact = tx
-        self._tx = tx
+        self._tx = await begin_locked_adopted(self.conn, begin_and_lock(lock))
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
         async with self.conn.transaction():

@@ -9,9 +9,12 @@ caller maps them by SQLSTATE.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
+
+from .._queries import query
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,32 @@ class LockStatement:
     inline: str
     bound: str
     params: tuple[int, ...]
+
+
+ISOLATION_LEVELS = frozenset({"READ UNCOMMITTED", "READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
+
+
+@functools.lru_cache(maxsize=4096)
+def begin_and_lock(
+    lock: LockStatement, isolation: str | None = None, read_only: bool | None = None,
+    deferrable: bool | None = None,
+) -> str:
+    """BEGIN and the lock as one simple-protocol message: one round trip for both.
+
+    The BEGIN carries the transaction characteristics the driver would have
+    given its own BEGIN (``isolation`` is spelled as in SQL, "REPEATABLE READ"),
+    so taking the lock this way changes nothing the body can observe.
+    """
+    mode = ""
+    if isolation is not None:
+        if isolation not in ISOLATION_LEVELS:
+            raise ValueError(f"unknown isolation level {isolation!r}")
+        mode += f" ISOLATION LEVEL {isolation}"
+    if read_only is not None:
+        mode += " READ ONLY" if read_only else " READ WRITE"
+    if deferrable is not None:
+        mode += " DEFERRABLE" if deferrable else " NOT DEFERRABLE"
+    return query("begin_and_lock").format(mode=mode, lock=lock.inline)
 
 
 class AsyncTxSession(ABC):

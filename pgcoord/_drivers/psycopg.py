@@ -1,22 +1,29 @@
 """psycopg 3: ``AsyncConnectionPool``, ``AsyncConnection``, ``ConnectionPool``, ``Connection``.
 
-The transaction is psycopg's own ``conn.transaction()`` block, so the body's
-nested ``conn.transaction()`` calls become savepoints as usual. Pipeline mode
-would let BEGIN and the lock share a round trip, but entering and leaving it
-cost more than the round trip saves on loopback (bench/locks.py measured
-about 40% fewer acquisitions per second), so statements are sent plainly.
+psycopg sends its own BEGIN in a round trip of its own before a connection's
+first statement. To have BEGIN and the lock share one, pgcoord switches the
+connection to autocommit (psycopg then sends no BEGIN), sends ``BEGIN; <lock>``
+as one simple-protocol message, and switches autocommit back off once the
+transaction has ended. psycopg follows the server's transaction status, so in
+the body statements run in that transaction and ``conn.transaction()`` makes
+savepoints as usual; ``conn.autocommit`` reads True until the block ends.
+
+Pipeline mode would also let them share a round trip, but entering and leaving
+it cost more than the round trip saves (bench/locks.py measured about 40% fewer
+acquisitions per second). A connection the caller already has in pipeline mode
+cannot run a multi-statement message, and takes BEGIN and the lock separately.
 """
 
 from __future__ import annotations
 
-import contextlib
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 
 from .._queries import to_pyformat
-from .base import AsyncTxSession, LockStatement, SyncTxSession
+from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
 
 try:
     import psycopg_pool
@@ -32,15 +39,111 @@ SYNC_POOL_TYPES: tuple[type, ...] = (
     (psycopg_pool.ConnectionPool,) if psycopg_pool is not None else ()
 )
 
+
 def _in_transaction(conn: Any) -> bool:
     return bool(conn.info.transaction_status != TransactionStatus.IDLE)
+
+
+def _one_message(conn: Any, lock: LockStatement) -> str | None:
+    """``BEGIN; <lock>`` with the connection's own transaction characteristics,
+    or None where one message cannot carry both (pipeline mode)."""
+    if conn.pgconn.pipeline_status != PipelineStatus.OFF:
+        return None
+    level = conn.isolation_level
+    isolation = None if level is None else psycopg.IsolationLevel(level).name.replace("_", " ")
+    return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
+
+
+class AsyncOneTrip:
+    """An async connection's transaction opened together with its lock."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self._autocommit_switched = False
+        # psycopg's own transaction block, used in pipeline mode only.
+        self._block: AbstractAsyncContextManager[Any] | None = None
+
+    async def begin_locked(self, lock: LockStatement) -> None:
+        message = _one_message(self.conn, lock)
+        if message is None:
+            block = self.conn.transaction()
+            await block.__aenter__()
+            self._block = block
+            await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            return
+        if not self.conn.autocommit:
+            await self.conn.set_autocommit(True)
+            self._autocommit_switched = True
+        await self.conn.execute(message, prepare=False)
+
+    async def commit(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            await block.__aexit__(None, None, None)
+        await self.conn.commit()
+        await self.restore_autocommit()
+
+    async def rollback(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            await block.__aexit__(_Rollback, _Rollback(), None)
+        if _in_transaction(self.conn):
+            await self.conn.rollback()
+        await self.restore_autocommit()
+
+    async def restore_autocommit(self) -> None:
+        if self._autocommit_switched:
+            self._autocommit_switched = False
+            await self.conn.set_autocommit(False)
+
+
+class SyncOneTrip:
+    """:class:`AsyncOneTrip` for a sync connection."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self._autocommit_switched = False
+        self._block: AbstractContextManager[Any] | None = None
+
+    def begin_locked(self, lock: LockStatement) -> None:
+        message = _one_message(self.conn, lock)
+        if message is None:
+            block = self.conn.transaction()
+            block.__enter__()
+            self._block = block
+            self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            return
+        if not self.conn.autocommit:
+            self.conn.autocommit = True
+            self._autocommit_switched = True
+        self.conn.execute(message, prepare=False)
+
+    def commit(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            block.__exit__(None, None, None)
+        self.conn.commit()
+        self.restore_autocommit()
+
+    def rollback(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            block.__exit__(_Rollback, _Rollback(), None)
+        if _in_transaction(self.conn):
+            self.conn.rollback()
+        self.restore_autocommit()
+
+    def restore_autocommit(self) -> None:
+        if self._autocommit_switched:
+            self._autocommit_switched = False
+            self.conn.autocommit = False
 
 
 class AsyncPsycopgSession(AsyncTxSession):
     def __init__(self, source: Any) -> None:
         self._pool: Any = source if isinstance(source, ASYNC_POOL_TYPES) else None
         self.conn: psycopg.AsyncConnection[Any] | None = None if self._pool else source
-        self._tx = contextlib.AsyncExitStack()
+        self._trip: AsyncOneTrip | None = None
 
     async def checkout(self) -> Any:
         if self._pool is not None:
@@ -58,8 +161,8 @@ class AsyncPsycopgSession(AsyncTxSession):
 
     async def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
-        await self._tx.enter_async_context(self.conn.transaction())
-        await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+        self._trip = AsyncOneTrip(self.conn)
+        await self._trip.begin_locked(lock)
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
@@ -67,19 +170,20 @@ class AsyncPsycopgSession(AsyncTxSession):
             await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
 
     async def commit(self) -> None:
-        stack, self._tx = self._tx, contextlib.AsyncExitStack()
-        await stack.aclose()
+        trip, self._trip = self._trip, None
+        if trip is not None:
+            await trip.commit()
 
     async def rollback(self) -> None:
         assert self.conn is not None
-        stack, self._tx = self._tx, contextlib.AsyncExitStack()
-        with contextlib.suppress(_Rollback):
-            await stack.__aexit__(_Rollback, _Rollback(), None)
-        if self.conn.info.transaction_status != TransactionStatus.IDLE:
+        trip, self._trip = self._trip, None
+        if trip is not None:
+            await trip.rollback()
+        elif _in_transaction(self.conn):
             await self.conn.rollback()
 
     async def discard(self) -> None:
-        self._tx = contextlib.AsyncExitStack()
+        self._trip = None
         if self.conn is not None:
             await self.conn.close()
 
@@ -93,7 +197,7 @@ class SyncPsycopgSession(SyncTxSession):
     def __init__(self, source: Any) -> None:
         self._pool: Any = source if isinstance(source, SYNC_POOL_TYPES) else None
         self.conn: psycopg.Connection[Any] | None = None if self._pool else source
-        self._tx = contextlib.ExitStack()
+        self._trip: SyncOneTrip | None = None
 
     def checkout(self) -> Any:
         if self._pool is not None:
@@ -111,8 +215,8 @@ class SyncPsycopgSession(SyncTxSession):
 
     def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
-        self._tx.enter_context(self.conn.transaction())
-        self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+        self._trip = SyncOneTrip(self.conn)
+        self._trip.begin_locked(lock)
 
     def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
@@ -120,19 +224,20 @@ class SyncPsycopgSession(SyncTxSession):
             self.conn.execute(to_pyformat(lock.bound), lock.params or None)
 
     def commit(self) -> None:
-        stack, self._tx = self._tx, contextlib.ExitStack()
-        stack.close()
+        trip, self._trip = self._trip, None
+        if trip is not None:
+            trip.commit()
 
     def rollback(self) -> None:
         assert self.conn is not None
-        stack, self._tx = self._tx, contextlib.ExitStack()
-        with contextlib.suppress(_Rollback):
-            stack.__exit__(_Rollback, _Rollback(), None)
-        if self.conn.info.transaction_status != TransactionStatus.IDLE:
+        trip, self._trip = self._trip, None
+        if trip is not None:
+            trip.rollback()
+        elif _in_transaction(self.conn):
             self.conn.rollback()
 
     def discard(self) -> None:
-        self._tx = contextlib.ExitStack()
+        self._trip = None
         if self.conn is not None:
             self.conn.close()
 

@@ -2,6 +2,8 @@
 
 It runs its own event loop in a thread. ``freeze()`` stops passing bytes in both
 directions without closing anything, as a dropped network or a paused host does.
+It also counts round trips: each time a client speaks after the server has
+answered it (or for the first time) is one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ class FreezableProxy:
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
         self.frozen = threading.Event()
+        self.round_trips = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         sock = socket.socket()
@@ -35,12 +38,19 @@ class FreezableProxy:
         self._ready.set()
         self._loop.run_forever()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, from_client: bool,
+        turn: list[bool],
+    ) -> None:
         try:
             while True:
                 data = await reader.read(65536)
                 if not data:
                     break
+                # turn[0]: the client spoke last on this connection.
+                if from_client and not turn[0]:
+                    self.round_trips += 1
+                turn[0] = from_client
                 while self.frozen.is_set():  # hold the bytes: the network is silent
                     await asyncio.sleep(0.05)
                 writer.write(data)
@@ -53,7 +63,9 @@ class FreezableProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self.target)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        turn = [False]
+        await asyncio.gather(self._pipe(reader, up_writer, True, turn),
+                             self._pipe(up_reader, writer, False, turn))
 
     def dsn(self, dsn: str) -> str:
         """``dsn`` rewritten to go through the proxy."""
