@@ -87,6 +87,14 @@ class LockRequest:
             return LockTableFull()
         return None
 
+    def ended_early(self) -> PgcoordError:
+        """The body committed or rolled back itself, and so released the lock mid-block."""
+        return PgcoordError(
+            f"the transaction holding advisory lock {self.describe()} was ended inside the block "
+            "(an explicit commit or rollback), which released the lock there; let the block "
+            "commit, or use a savepoint"
+        )
+
     def raise_translated(self, exc: BaseException) -> NoReturn:
         mapped = self.translate(exc)
         if mapped is None:
@@ -182,6 +190,9 @@ class ExclusiveLock:
         if exc_type is not None:
             await finish_despite_cancel(self._abort_async(session))
             return
+        if not session.in_transaction():
+            await finish_despite_cancel(self._abort_async(session))
+            raise self.request.ended_early()
         try:
             await session.commit()
         except BaseException:
@@ -249,6 +260,9 @@ class ExclusiveLock:
         if exc_type is not None:
             self._abort_sync(session)
             return
+        if not session.in_transaction():
+            self._abort_sync(session)
+            raise self.request.ended_early()
         try:
             session.commit()
         except BaseException:

@@ -134,8 +134,10 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             # even if the BEGIN never arrived.
             await unregistered.execute("ROLLBACK")
         tx, self._tx = self._tx, None
-        if tx is not None:
+        if tx is not None and tx.is_active:
             await tx.rollback()
+        elif self.conn is not None and self.conn.in_transaction():
+            await self.conn.rollback()  # one the body began after ending ours
         trip, self._trip = self._trip, None
         if trip is not None:
             await trip.rollback()
@@ -203,8 +205,10 @@ class SyncSQLAlchemySession(SyncTxSession):
 
     def rollback(self) -> None:
         tx, self._tx = self._tx, None
-        if tx is not None:
+        if tx is not None and tx.is_active:
             tx.rollback()
+        elif self.conn is not None and self.conn.in_transaction():
+            self.conn.rollback()  # one the body began after ending ours
         trip, self._trip = self._trip, None
         if trip is not None:
             trip.rollback()

@@ -111,6 +111,26 @@ async def test_an_exception_rolls_back_releases_and_propagates(kind: str, dsn: s
 
 
 @pytest.mark.parametrize("kind", ALL)
+async def test_a_body_that_commits_itself_is_told_so(kind: str, dsn: str, table: str) -> None:
+    """Committing inside the block releases the lock mid-block; exit says so
+    instead of committing nothing, and the connection is still fine."""
+    async with open_async(kind, dsn) as source:
+        with pytest.raises(pgcoord.PgcoordError, match="ended inside the block"):
+            async with pgcoord.exclusive(source, "exclusive:self-commit") as conn:
+                await aexecute(conn, "insert into things values (5)")
+                if hasattr(conn, "get_server_pid"):  # asyncpg: no commit() of its own
+                    await conn.execute("COMMIT")
+                else:
+                    await conn.commit()
+                assert advisory_locks(dsn) == []
+        assert rows(dsn) == [5]
+        async with pgcoord.exclusive(source, "exclusive:self-commit") as conn:
+            await aexecute(conn, "insert into things values (6)")
+        assert rows(dsn) == [5, 6]
+        assert advisory_locks(dsn) == []
+
+
+@pytest.mark.parametrize("kind", ALL)
 async def test_busy_raises_lock_busy_at_once(kind: str, dsn: str, blocker: Blocker) -> None:
     blocker.hold("exclusive:busy")
     async with open_async(kind, dsn) as source:

@@ -56,6 +56,23 @@ def test_an_exception_rolls_back_and_releases(kind: str, dsn: str, table: str) -
 
 
 @pytest.mark.parametrize("kind", ALL)
+def test_a_body_that_commits_itself_is_told_so(kind: str, dsn: str, table: str) -> None:  # noqa: F811
+    with open_sync(kind, dsn) as source:
+        with (
+            pytest.raises(pgcoord.PgcoordError, match="ended inside the block"),
+            pgcoord.exclusive(source, "exclusive:self-commit") as conn,
+        ):
+            sexecute(conn, "insert into things values (5)")
+            conn.commit()
+            assert advisory_locks(dsn) == []
+        assert rows(dsn) == [5]
+        with pgcoord.exclusive(source, "exclusive:self-commit") as conn:
+            sexecute(conn, "insert into things values (6)")
+        assert rows(dsn) == [5, 6]
+        assert advisory_locks(dsn) == []
+
+
+@pytest.mark.parametrize("kind", ALL)
 def test_busy_and_timeout(kind: str, dsn: str, blocker: Blocker) -> None:  # noqa: F811
     blocker.hold("sync:busy")
     with open_sync(kind, dsn) as source:
