@@ -99,7 +99,9 @@ def fence_rejected(name: str, fence: int) -> None:
 
 
 def lock_wait(name: str, seconds: float) -> None:
-    _emit("lock_granted", name, waited=round(seconds, 6))
+    # Called on every lock: build the log fields only when they will be logged.
+    if log.isEnabledFor(logging.DEBUG):
+        _emit("lock_granted", name, waited=round(seconds, 6))
     if _prometheus() is not None:
         _child("lock_wait", name).observe(seconds)
 

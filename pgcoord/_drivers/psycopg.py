@@ -41,7 +41,8 @@ SYNC_POOL_TYPES: tuple[type, ...] = (
 
 
 def _in_transaction(conn: Any) -> bool:
-    return bool(conn.info.transaction_status != TransactionStatus.IDLE)
+    # pgconn's status is a plain int; conn.info builds an object and an enum per call.
+    return bool(conn.pgconn.transaction_status != TransactionStatus.IDLE)
 
 
 def _one_message(conn: Any, lock: LockStatement) -> str | None:

@@ -56,3 +56,16 @@ def test_migration_sql_avoids_characters_drivers_treat_as_placeholders() -> None
             continue
         text = path.read_text()
         assert "%" not in text, path.name
+
+
+def test_begin_and_lock_carries_the_transaction_mode_and_refuses_unknown_levels() -> None:
+    from pgcoord._drivers.base import LockStatement, begin_and_lock
+
+    lock = LockStatement("SELECT pg_catalog.pg_advisory_xact_lock(7)", "", ())
+    assert begin_and_lock(lock) == "BEGIN; SELECT pg_catalog.pg_advisory_xact_lock(7)"
+    assert begin_and_lock(lock, "REPEATABLE READ", True, False) == (
+        "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY NOT DEFERRABLE; "
+        "SELECT pg_catalog.pg_advisory_xact_lock(7)"
+    )
+    with pytest.raises(ValueError, match="isolation"):
+        begin_and_lock(lock, "SERIALIZABLE; DROP TABLE x")
