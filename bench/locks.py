@@ -1,14 +1,17 @@
 """exclusive() against hand-written driver code, measured in the same run.
 
-    python bench/locks.py [--seconds 1.5] [--rounds 3]
+    python bench/locks.py [--seconds 0.7] [--rounds 15] [--latency-ms 0.5]
 
 Prints a Markdown table: uncontended acquire+release per second for each
 driver with 1 and 4 concurrent clients, pgcoord and the hand-written
 ``BEGIN; SELECT pg_advisory_xact_lock(k); COMMIT`` done the way a user of that
 driver would write it, their ratio, pgbench's figure for the same SQL as the C
-floor, and the handoff latency from a holder's release to a waiter's grant.
-Rounds alternate between the two implementations so drift on a shared machine
-hits both alike.
+floor, and the handoff latency from a holder's release to a waiter's grant; then
+the same table again through a proxy that delays each direction, as a network
+between an application and its database does.
+Each round measures both implementations back to back, in alternating order, and
+the ratio reported is the median of the rounds' ratios, so that drift on a
+shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import asyncpg
+import psycopg
 import psycopg_pool
 from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
+from bench._latency import DelayingProxy
 from bench._server import bench_database
 from pgcoord._embedded import find_bindir
 
@@ -42,6 +47,12 @@ LOCK_SQL = "select pg_advisory_xact_lock({k})"
 
 def _url(dsn: str, driver: str) -> str:
     return dsn.replace("postgresql://", f"postgresql+{driver}://")
+
+
+def _summary(name: str, mine: list[float], theirs: list[float]) -> tuple[str, float, float, float]:
+    """Median rates, and the median of the per-round ratios."""
+    ratio = statistics.median(m / t for m, t in zip(mine, theirs, strict=True))
+    return name, statistics.median(mine), statistics.median(theirs), ratio
 
 
 # -- async drivers -----------------------------------------------------------------
@@ -89,7 +100,9 @@ async def _async_sources(dsn: str, clients: int) -> dict[str, tuple[Any, Callabl
     }
 
 
-async def bench_async(dsn: str, clients: int, seconds: float, rounds: int) -> list[tuple[str, float, float]]:
+async def bench_async(
+    dsn: str, clients: int, seconds: float, rounds: int,
+) -> list[tuple[str, float, float, float]]:
     results = []
     for name, (source, hand, close) in (await _async_sources(dsn, clients)).items():
 
@@ -100,11 +113,12 @@ async def bench_async(dsn: str, clients: int, seconds: float, rounds: int) -> li
         for _ in range(20):  # warm pools and caches
             await ours(1), await hand(1)
         mine, theirs = [], []
-        for _ in range(rounds):
-            mine.append(await _async_rate(ours, clients, seconds))
-            theirs.append(await _async_rate(hand, clients, seconds))
+        for round_no in range(rounds):
+            pair = [(ours, mine), (hand, theirs)]
+            for op, into in pair if round_no % 2 == 0 else pair[::-1]:
+                into.append(await _async_rate(op, clients, seconds))
         await close()
-        results.append((name, statistics.median(mine), statistics.median(theirs)))
+        results.append(_summary(name, mine, theirs))
     return results
 
 
@@ -129,7 +143,7 @@ def _sync_rate(op: Callable[[int], None], clients: int, seconds: float) -> float
     return sum(counts) / (time.perf_counter() - started)
 
 
-def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[tuple[str, float, float]]:
+def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[tuple[str, float, float, float]]:
     pool = psycopg_pool.ConnectionPool(dsn, min_size=clients, max_size=clients, open=True)
 
     def psycopg_hand(k: int) -> None:
@@ -154,11 +168,12 @@ def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[tupl
         for _ in range(20):
             ours(1), hand(1)
         mine, theirs = [], []
-        for _ in range(rounds):
-            mine.append(_sync_rate(ours, clients, seconds))
-            theirs.append(_sync_rate(hand, clients, seconds))
+        for round_no in range(rounds):
+            pair = [(ours, mine), (hand, theirs)]
+            for op, into in pair if round_no % 2 == 0 else pair[::-1]:
+                into.append(_sync_rate(op, clients, seconds))
         close()
-        results.append((name, statistics.median(mine), statistics.median(theirs)))
+        results.append(_summary(name, mine, theirs))
     return results
 
 
@@ -223,28 +238,57 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _table(dsn: str, seconds: float, rounds: int) -> None:
+    print("| driver | clients | pgcoord acq+rel/s | hand-written/s | ratio | pgbench (C floor) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for clients in (1, 4):
+        floor = pgbench_floor(dsn, clients, seconds)
+        rows = asyncio.run(bench_async(dsn, clients, seconds, rounds))
+        rows += bench_sync(dsn, clients, seconds, rounds)
+        for name, mine, theirs, ratio in rows:
+            print(f"| {name} | {clients} | {mine:,.0f} | {theirs:,.0f} | "
+                  f"{ratio:.2f}x | {floor:,.0f} |", flush=True)
+
+
+def _round_trip_ms(dsn: str, samples: int = 200) -> float:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("select 1")
+        times = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            conn.execute("select 1")
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=1.5, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per pair")
+    parser.add_argument("--seconds", type=float, default=0.7, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per pair")
     parser.add_argument("--handoffs", type=int, default=300)
+    parser.add_argument("--latency-ms", type=float, default=0.5,
+                        help="one-way delay for the second table, through a delaying proxy (0: skip)")
     args = parser.parse_args()
 
     with bench_database() as (dsn, _):
         print(f"# exclusive() benchmark ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
-              f"loopback, median of {args.rounds} alternating rounds of {args.seconds}s)\n")
-        print("| driver | clients | pgcoord acq+rel/s | hand-written/s | ratio | pgbench (C floor) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for clients in (1, 4):
-            floor = pgbench_floor(dsn, clients, args.seconds)
-            rows = asyncio.run(bench_async(dsn, clients, args.seconds, args.rounds))
-            rows += bench_sync(dsn, clients, args.seconds, args.rounds)
-            for name, mine, theirs in rows:
-                print(f"| {name} | {clients} | {mine:,.0f} | {theirs:,.0f} | "
-                      f"{mine / theirs:.2f}x | {floor:,.0f} |", flush=True)
+              f"medians of {args.rounds} alternating rounds of {args.seconds}s)\n")
+        print(f"## Loopback (round trip of `select 1`: {_round_trip_ms(dsn):.3f} ms)\n")
+        _table(dsn, args.seconds, args.rounds)
         lat = asyncio.run(handoff(dsn, args.handoffs))
         print(f"\nHandoff, holder's release to waiter's grant (asyncpg pool, {len(lat)} samples): "
               f"p50 {pct(lat, 0.5) * 1000:.2f} ms, p99 {pct(lat, 0.99) * 1000:.2f} ms")
+        if args.latency_ms > 0:
+            host_port = dsn.split("@", 1)[1].split("/", 1)[0]
+            proxy = DelayingProxy("127.0.0.1", int(host_port.rsplit(":", 1)[1]),
+                                  args.latency_ms / 1000)
+            try:
+                slow = proxy.dsn(dsn)
+                print(f"\n## Through a proxy delaying {args.latency_ms} ms each way (round trip of "
+                      f"`select 1`: {_round_trip_ms(slow):.3f} ms)\n")
+                _table(slow, args.seconds, args.rounds)
+            finally:
+                proxy.close()
 
 
 if __name__ == "__main__":
