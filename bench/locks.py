@@ -1,6 +1,6 @@
 """exclusive() against hand-written driver code, measured in the same run.
 
-    python bench/locks.py [--seconds 0.7] [--rounds 15] [--latency-ms 0.5]
+    python bench/locks.py [--seconds 0.4] [--rounds 31] [--latency-ms 0.5]
 
 Prints a Markdown table: uncontended acquire+release per second for each
 driver with 1 and 4 concurrent clients, pgcoord and the hand-written
@@ -10,8 +10,9 @@ floor, and the handoff latency from a holder's release to a waiter's grant; then
 the same table again through a proxy that delays each direction, as a network
 between an application and its database does.
 Each round measures both implementations back to back, in alternating order, and
-the ratio reported is the median of the rounds' ratios, so that drift on a
-shared machine hits both alike.
+the ratio reported is the median of the rounds' ratios, with the middle half of
+them beside it, so that drift on a shared machine hits both alike and the
+noise that is left is on show.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ def _url(dsn: str, driver: str) -> str:
     return dsn.replace("postgresql://", f"postgresql+{driver}://")
 
 
-def _summary(name: str, mine: list[float], theirs: list[float]) -> tuple[str, float, float, float]:
-    """Median rates, and the median of the per-round ratios."""
-    ratio = statistics.median(m / t for m, t in zip(mine, theirs, strict=True))
-    return name, statistics.median(mine), statistics.median(theirs), ratio
+Row = tuple[str, float, float, list[float]]
+
+
+def _summary(name: str, mine: list[float], theirs: list[float]) -> Row:
+    """Median rates, and the per-round ratios."""
+    ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+    return name, statistics.median(mine), statistics.median(theirs), ratios
 
 
 # -- async drivers -----------------------------------------------------------------
@@ -102,7 +106,7 @@ async def _async_sources(dsn: str, clients: int) -> dict[str, tuple[Any, Callabl
 
 async def bench_async(
     dsn: str, clients: int, seconds: float, rounds: int,
-) -> list[tuple[str, float, float, float]]:
+) -> list[Row]:
     results = []
     for name, (source, hand, close) in (await _async_sources(dsn, clients)).items():
 
@@ -143,7 +147,7 @@ def _sync_rate(op: Callable[[int], None], clients: int, seconds: float) -> float
     return sum(counts) / (time.perf_counter() - started)
 
 
-def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[tuple[str, float, float, float]]:
+def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[Row]:
     pool = psycopg_pool.ConnectionPool(dsn, min_size=clients, max_size=clients, open=True)
 
     def psycopg_hand(k: int) -> None:
@@ -239,15 +243,17 @@ def pct(values: list[float], q: float) -> float:
 
 
 def _table(dsn: str, seconds: float, rounds: int) -> None:
-    print("| driver | clients | pgcoord acq+rel/s | hand-written/s | ratio | pgbench (C floor) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| driver | clients | pgcoord acq+rel/s | hand-written/s | ratio (median) | "
+          "middle half of rounds | pgbench (C floor) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for clients in (1, 4):
         floor = pgbench_floor(dsn, clients, seconds)
         rows = asyncio.run(bench_async(dsn, clients, seconds, rounds))
         rows += bench_sync(dsn, clients, seconds, rounds)
-        for name, mine, theirs, ratio in rows:
-            print(f"| {name} | {clients} | {mine:,.0f} | {theirs:,.0f} | "
-                  f"{ratio:.2f}x | {floor:,.0f} |", flush=True)
+        for name, mine, theirs, ratios in rows:
+            q1, median, q3 = statistics.quantiles(ratios, n=4)
+            print(f"| {name} | {clients} | {mine:,.0f} | {theirs:,.0f} | {median:.2f}x | "
+                  f"{q1:.2f}–{q3:.2f} | {floor:,.0f} |", flush=True)
 
 
 def _round_trip_ms(dsn: str, samples: int = 200) -> float:
@@ -263,8 +269,8 @@ def _round_trip_ms(dsn: str, samples: int = 200) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=0.7, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per pair")
+    parser.add_argument("--seconds", type=float, default=0.4, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=31, help="alternating rounds per pair")
     parser.add_argument("--handoffs", type=int, default=300)
     parser.add_argument("--latency-ms", type=float, default=0.5,
                         help="one-way delay for the second table, through a delaying proxy (0: skip)")
