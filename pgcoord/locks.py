@@ -126,7 +126,18 @@ def exclusive(
     ``with`` for psycopg and SQLAlchemy sync sources. Yields the driver's own
     connection inside an open transaction that also holds the lock.
     """
-    return ExclusiveLock(source, LockRequest(key, wait=wait, timeout=timeout, shared=shared))
+    try:
+        request = _request(key, wait, timeout, shared)
+    except TypeError:  # unhashable: build it uncached, which raises the precise error
+        request = LockRequest(key, wait=wait, timeout=timeout, shared=shared)
+    return ExclusiveLock(source, request)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
+    """Requests are immutable and services reuse their keys: validate each once.
+    ``typed`` keeps ``True`` apart from ``1``, which would be refused."""
+    return LockRequest(key, wait=wait, timeout=timeout, shared=shared)
 
 
 class ExclusiveLock:

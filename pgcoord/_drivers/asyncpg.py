@@ -19,9 +19,12 @@ def _raw(conn: Any) -> Any:
     return getattr(conn, "_con", None) or conn
 
 
+# Whether asyncpg still keeps its transaction where begin_locked_adopted() puts it.
+_ADOPTABLE = "_top_xact" in getattr(asyncpg.Connection, "__slots__", ()) and hasattr(Transaction, "start")
+
+
 def can_adopt(conn: Any) -> bool:
-    """Whether asyncpg still keeps its transaction where :func:`begin_locked_adopted` puts it."""
-    return hasattr(_raw(conn), "_top_xact") and hasattr(Transaction, "start")
+    return _ADOPTABLE
 
 
 async def begin_locked_adopted(conn: Any, message: str) -> Transaction:
@@ -32,7 +35,7 @@ async def begin_locked_adopted(conn: Any, message: str) -> Transaction:
     transaction it started itself, so the transaction is registered as one: the
     body can then use ``conn.transaction()`` normally.
     """
-    raw = _raw(conn)  # a pool proxy's methods cost a dispatch each
+    raw = _raw(conn)
     await raw.execute(message)
     tx = raw.transaction()
     tx._state = TransactionState.STARTED
@@ -47,15 +50,18 @@ class AsyncpgSession(AsyncTxSession):
     def __init__(self, source: Any) -> None:
         self._pool: asyncpg.Pool | None = source if isinstance(source, POOL_TYPES) else None
         self.conn = None if self._pool is not None else source
+        # The Connection itself: a pool proxy's methods cost a dispatch each.
+        self._raw: Any = None if self.conn is None else _raw(self.conn)
         self._tx: Transaction | None = None
 
     async def checkout(self) -> Any:
         if self._pool is not None:
             self.conn = await self._pool.acquire()
+            self._raw = _raw(self.conn)
         return self.conn
 
     def in_transaction(self) -> bool:
-        return bool(_raw(self.conn).is_in_transaction())
+        return bool(self._raw.is_in_transaction())
 
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         row = await self.conn.fetchrow(sql, *params)
@@ -67,7 +73,7 @@ class AsyncpgSession(AsyncTxSession):
             await self._tx.start()
             await self.conn.execute(lock.bound, *lock.params)
             return
-        self._tx = await begin_locked_adopted(self.conn, begin_and_lock(lock))
+        self._tx = await begin_locked_adopted(self._raw, begin_and_lock(lock))
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
         async with self.conn.transaction():

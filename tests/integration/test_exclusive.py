@@ -380,8 +380,11 @@ async def test_locks_work_without_the_schema(fresh_db: str) -> None:
 @pytest.mark.parametrize("key", [True, 1.5, None, b"x"])
 async def test_bad_keys_raise_type_error_at_the_call(key: object, dsn: str) -> None:
     async with open_async("asyncpg-pool", dsn) as source:
+        pgcoord.exclusive(source, 1)  # validated requests are cached: look-alikes must not hit
         with pytest.raises(TypeError):
             pgcoord.exclusive(source, key)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            pgcoord.exclusive(source, 1, wait=1)  # type: ignore[arg-type]
         with pytest.raises(ValueError):
             pgcoord.exclusive(source, 2**63)
         with pytest.raises(ValueError):
