@@ -51,19 +51,20 @@ async def _resume(coro: Coroutine[Any, Any, T], waiting_on: Any) -> T:
     ``waiting_on``, what it yielded to the event loop: a future, or None for a
     bare yield. This does for it what an asyncio task would have done."""
     while True:
-        if waiting_on is None:
-            await asyncio.sleep(0)
-        elif not asyncio.isfuture(waiting_on):
-            coro.throw(RuntimeError(f"cleanup yielded {waiting_on!r}, not a future"))
-        else:
-            waiting_on._asyncio_future_blocking = False
-            try:
-                await asyncio.wait([waiting_on])
-            except asyncio.CancelledError:
-                # As for a task: the awaited future is cancelled, and the
-                # coroutine sees that when it reads the outcome.
-                waiting_on.cancel()
         try:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            elif not asyncio.isfuture(waiting_on):
+                waiting_on = coro.throw(RuntimeError(f"cleanup yielded {waiting_on!r}, not a future"))
+                continue
+            else:
+                waiting_on._asyncio_future_blocking = False
+                try:
+                    await asyncio.wait([waiting_on])
+                except asyncio.CancelledError:
+                    # As for a task: the awaited future is cancelled, and the
+                    # coroutine sees that when it reads the outcome.
+                    waiting_on.cancel()
             waiting_on = coro.send(None)
         except StopIteration as finished:
             return cast(T, finished.value)
