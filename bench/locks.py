@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import re
 import statistics
@@ -76,39 +77,54 @@ async def _async_rate(op: Callable[[int], Awaitable[None]], clients: int, second
     return sum(counts) / (time.perf_counter() - started)
 
 
-async def _async_sources(dsn: str, clients: int) -> dict[str, tuple[Any, Callable[[int], Any], Any]]:
-    """driver -> (source, hand-written op, closer)."""
-    apool = await asyncpg.create_pool(dsn, min_size=clients, max_size=clients)
+Source = tuple[Any, Callable[[int], Any], Callable[[], Awaitable[None]]]
 
-    async def asyncpg_hand(k: int) -> None:
-        async with apool.acquire() as c, c.transaction():
+
+async def _open_asyncpg(dsn: str, clients: int) -> Source:
+    pool = await asyncpg.create_pool(dsn, min_size=clients, max_size=clients)
+
+    async def by_hand(k: int) -> None:
+        async with pool.acquire() as c, c.transaction():
             await c.execute("select pg_advisory_xact_lock($1)", k)
 
-    ppool = psycopg_pool.AsyncConnectionPool(dsn, min_size=clients, max_size=clients, open=False)
-    await ppool.open(wait=True)
+    return pool, by_hand, pool.close
 
-    async def psycopg_hand(k: int) -> None:
-        async with ppool.connection() as c, c.transaction():
+
+async def _open_psycopg(dsn: str, clients: int) -> Source:
+    pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=clients, max_size=clients, open=False)
+    await pool.open(wait=True)
+
+    async def by_hand(k: int) -> None:
+        async with pool.connection() as c, c.transaction():
             await c.execute("select pg_advisory_xact_lock(%s)", (k,))
 
+    return pool, by_hand, pool.close
+
+
+async def _open_sqlalchemy(dsn: str, clients: int) -> Source:
     engine = create_async_engine(_url(dsn, "asyncpg"), pool_size=clients)
 
-    async def sa_hand(k: int) -> None:
+    async def by_hand(k: int) -> None:
         async with engine.begin() as c:
             await c.execute(text("select pg_advisory_xact_lock(:k)"), {"k": k})
 
-    return {
-        "asyncpg Pool": (apool, asyncpg_hand, apool.close),
-        "psycopg AsyncConnectionPool": (ppool, psycopg_hand, ppool.close),
-        "SQLAlchemy AsyncEngine (asyncpg)": (engine, sa_hand, engine.dispose),
-    }
+    return engine, by_hand, engine.dispose
+
+
+# One driver's pool at a time: another's idle pool and objects would weigh on it.
+ASYNC_SOURCES = {
+    "asyncpg Pool": _open_asyncpg,
+    "psycopg AsyncConnectionPool": _open_psycopg,
+    "SQLAlchemy AsyncEngine (asyncpg)": _open_sqlalchemy,
+}
 
 
 async def bench_async(
     dsn: str, clients: int, seconds: float, rounds: int,
 ) -> list[Row]:
     results = []
-    for name, (source, hand, close) in (await _async_sources(dsn, clients)).items():
+    for name, open_source in ASYNC_SOURCES.items():
+        source, hand, close = await open_source(dsn, clients)
 
         async def ours(k: int, source: Any = source) -> None:
             async with pgcoord.exclusive(source, k):
@@ -116,6 +132,7 @@ async def bench_async(
 
         for _ in range(20):  # warm pools and caches
             await ours(1), await hand(1)
+        gc.collect()
         mine, theirs = [], []
         for round_no in range(rounds):
             pair = [(ours, mine), (hand, theirs)]
@@ -171,6 +188,7 @@ def bench_sync(dsn: str, clients: int, seconds: float, rounds: int) -> list[Row]
 
         for _ in range(20):
             ours(1), hand(1)
+        gc.collect()
         mine, theirs = [], []
         for round_no in range(rounds):
             pair = [(ours, mine), (hand, theirs)]
