@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 from .errors import PgcoordError, SchemaMissing
@@ -63,3 +64,16 @@ def as_schema_missing(exc: BaseException) -> BaseException:
     if sqlstate(exc) in _SCHEMA_MISSING:
         return SchemaMissing()
     return exc
+
+
+@contextlib.contextmanager
+def schema_missing_raised() -> Iterator[None]:
+    """Raise ``SchemaMissing`` for an error in the block that says the schema is
+    absent; let every other error through unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = as_schema_missing(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc

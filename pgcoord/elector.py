@@ -325,13 +325,9 @@ class Elector:
         """The current leader's holder name, or None (asked on a short connection of its own)."""
         conn = await self._source.open()
         try:
-            await conn.prepare()
-            return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
-        except Exception as exc:
-            mapped = _errmap.as_schema_missing(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
+            with _errmap.schema_missing_raised():
+                await conn.prepare()
+                return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
         finally:
             await conn.give_back()
 

@@ -9,7 +9,7 @@ import shutil
 import time
 from typing import Any
 
-from ._errmap import as_schema_missing
+from ._errmap import schema_missing_raised
 from ._queries import query
 
 Row = dict[str, Any]
@@ -17,7 +17,7 @@ Row = dict[str, Any]
 
 def fetch_holders(dsn: str) -> list[Row]:
     """Rows of ``pgcoord.holders``, with the driver that is installed."""
-    try:
+    with schema_missing_raised():
         try:
             import psycopg
             from psycopg.rows import dict_row
@@ -25,11 +25,6 @@ def fetch_holders(dsn: str) -> list[Row]:
             return asyncio.run(_fetch_asyncpg(dsn))
         with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status") as conn:
             return list(conn.cursor(row_factory=dict_row).execute(query("holders_list")))
-    except Exception as exc:
-        mapped = as_schema_missing(exc)
-        if mapped is exc:
-            raise
-        raise mapped from exc
 
 
 async def _fetch_asyncpg(dsn: str) -> list[Row]:

@@ -110,9 +110,9 @@ async def fetchval_on(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
         from sqlalchemy import text
 
         from .._queries import to_named
+        from .sqlalchemy import named_params
 
-        result = await conn.execute(text(to_named(sql)),
-                                    {f"p{i}": v for i, v in enumerate(params, start=1)})
+        result = await conn.execute(text(to_named(sql)), named_params(params))
         return result.scalar() if result.returns_rows else None
     raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")
 
@@ -130,9 +130,9 @@ def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
         from sqlalchemy import text
 
         from .._queries import to_named
+        from .sqlalchemy import named_params
 
-        result = conn.execute(text(to_named(sql)),
-                              {f"p{i}": v for i, v in enumerate(params, start=1)})
+        result = conn.execute(text(to_named(sql)), named_params(params))
         return result.scalar() if result.returns_rows else None
     raise UnsupportedConnection(f"pgcoord cannot use a {_describe(conn)} here")
 
@@ -161,11 +161,7 @@ async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple
     assert isinstance(session, AsyncTxSession)
     await session.checkout()
     try:
-        return await session.run_autocommit(sql, params)
-    except Exception as exc:
-        mapped = _errmap.as_schema_missing(exc)
-        if mapped is exc:
-            raise
-        raise mapped from exc
+        with _errmap.schema_missing_raised():
+            return await session.run_autocommit(sql, params)
     finally:
         await finish_despite_cancel(session.checkin())

@@ -28,7 +28,7 @@ ASYNC_TYPES = (AsyncEngine, AsyncConnection)
 SYNC_TYPES = (Engine, Connection)
 
 
-def _named_params(params: tuple[Any, ...]) -> dict[str, Any]:
+def named_params(params: tuple[Any, ...]) -> dict[str, Any]:
     return {f"p{i}": value for i, value in enumerate(params, start=1)}
 
 
@@ -85,7 +85,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         async with self.conn.begin():
-            result = await self.conn.execute(text(to_named(sql)), _named_params(params))
+            result = await self.conn.execute(text(to_named(sql)), named_params(params))
             row = result.first() if result.returns_rows else None
             return None if row is None else tuple(row)
 
@@ -112,12 +112,12 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             await self._trip.begin_locked(lock)
             return
         _refuse_autocommit(adapter)
-        await self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
+        await self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         async with self.conn.begin_nested():
-            await self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
+            await self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None
@@ -172,7 +172,7 @@ class SyncSQLAlchemySession(SyncTxSession):
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         with self.conn.begin():
-            result = self.conn.execute(text(to_named(sql)), _named_params(params))
+            result = self.conn.execute(text(to_named(sql)), named_params(params))
             row = result.first() if result.returns_rows else None
             return None if row is None else tuple(row)
 
@@ -188,12 +188,12 @@ class SyncSQLAlchemySession(SyncTxSession):
             self._trip.begin_locked(lock)
             return
         _refuse_autocommit(raw.dbapi_connection)
-        self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
+        self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         with self.conn.begin_nested():
-            self.conn.execute(text(to_named(lock.bound)), _named_params(lock.params))
+            self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     def commit(self) -> None:
         tx, self._tx = self._tx, None
