@@ -263,3 +263,18 @@ async def test_bad_lease_arguments_raise_at_construction(dsn: str) -> None:
         await conn.close()
     with pytest.raises(pgcoord.UnsupportedConnection):
         pgcoord.Lease(object(), "x", ttl=1)
+
+
+async def test_without_the_schema_leases_and_the_elector_raise_schema_missing(fresh_db: str) -> None:
+    """The error says what to run, instead of a driver's 'relation does not exist'."""
+    pool = await asyncpg.create_pool(fresh_db, min_size=1, max_size=1)
+    try:
+        with pytest.raises(pgcoord.SchemaMissing):
+            await pgcoord.Lease(pool, "no-schema", ttl=5).acquire(wait=False)
+        async with pool.acquire() as conn:
+            with pytest.raises(pgcoord.SchemaMissing):
+                await pgcoord.check_fence(conn, "no-schema", 1)
+    finally:
+        await pool.close()
+    with pytest.raises(pgcoord.SchemaMissing):
+        await pgcoord.Elector(fresh_db, "no-schema", ttl=5).leader()
