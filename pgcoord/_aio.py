@@ -1,29 +1,83 @@
-"""asyncio helpers for cleanup that must finish even when the caller is cancelled."""
+"""asyncio helpers for cleanup that must finish even when the caller is cancelled,
+and must never hold the caller longer than its bound."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
-# How long a rollback or a give-back may take before the connection is
-# discarded instead. Bounded so that a cancelled caller is never held long.
+log = logging.getLogger("pgcoord")
+
+# How long a rollback, a give-back, a release or a record may take before the
+# cleanup is abandoned (and its connection discarded). Bounded so that a caller
+# is never held long by a server that does not answer.
 CLEANUP_TIMEOUT = 5.0
 
+# Cleanups abandoned at their bound: cancelled, and left to run their own
+# except/finally (which discards the connection) without anyone waiting. Kept
+# here so that the event loop's weak reference is not the only one.
+_abandoned: set[asyncio.Future[Any]] = set()
 
-async def finish_despite_cancel(aw: Awaitable[T]) -> T:
-    """Run ``aw`` to completion even if the calling task is cancelled meanwhile.
+
+class CleanupTimeout(Exception):
+    """A cleanup ran past its bound and was abandoned (internal: each call site
+    turns it into a discarded connection and the caller's own outcome)."""
+
+
+def _inline_first_step_works() -> bool:
+    """Whether a coroutine stepped by hand yields the future it waits on, marked
+    as asyncio's Task does expect (``_asyncio_future_blocking``). That private
+    protocol is what lets a cleanup run its first step without a task; where an
+    interpreter behaves differently, every cleanup gets a task of its own."""
+    loop = asyncio.new_event_loop()
+    try:
+        fut: asyncio.Future[None] = loop.create_future()
+
+        async def waiter() -> None:
+            await fut
+
+        coro = waiter()
+        try:
+            yielded = coro.send(None)
+            ok = yielded is fut and getattr(yielded, "_asyncio_future_blocking", None) is True
+        finally:
+            coro.close()
+        return ok
+    finally:
+        loop.close()
+
+
+INLINE_FIRST_STEP = _inline_first_step_works()
+
+
+async def finish_despite_cancel(
+    aw: Awaitable[T], *, bound: float | None = CLEANUP_TIMEOUT,
+    on_timeout: Callable[[], object] | None = None,
+) -> T:
+    """Run the cleanup ``aw`` to completion even if the calling task is cancelled
+    meanwhile, but for at most ``bound`` seconds.
 
     A cancellation that arrives during the cleanup is delivered once the cleanup
-    is over, so the caller still sees ``CancelledError`` but never leaves a lock
-    or a dirty connection behind. ``aw`` must bound its own duration.
+    is over (or abandoned), so the caller still sees the ``CancelledError`` it
+    was sent but never leaves a lock or a dirty connection behind. Past the
+    bound the cleanup is cancelled in its own task, where its except/finally
+    clauses run without the caller waiting for them; ``on_timeout`` (which must
+    not block: close a socket, mark a connection unusable) is called, and
+    ``CleanupTimeout`` is raised, unless the caller was cancelled meanwhile.
+
+    The bound is enforced here, on a task of the cleanup's own: cleanups must not
+    use ``asyncio.timeout()`` themselves, since their first step runs on the
+    caller's task and a timeout entered there would cancel the caller.
     """
-    if asyncio.iscoroutine(aw):
+    if INLINE_FIRST_STEP and asyncio.iscoroutine(aw):
         # Most cleanups (a connection given back to an idle pool) finish without
         # ever suspending. Run the first step here, where no cancellation can
-        # reach it, and pay for a shielded task only if the cleanup has to wait.
+        # reach it, and pay for a task only if the cleanup has to wait.
         coro = cast(Coroutine[Any, Any, T], aw)
         try:
             waiting_on = coro.send(None)
@@ -32,13 +86,28 @@ async def finish_despite_cancel(aw: Awaitable[T]) -> T:
         task: asyncio.Future[T] = asyncio.ensure_future(_resume(coro, waiting_on))
     else:
         task = asyncio.ensure_future(aw)
+    deadline = None if bound is None else time.monotonic() + bound
     cancelled = False
     while not task.done():
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            break
         try:
-            await asyncio.shield(task)
+            # asyncio.wait never cancels what it waits on, so a cancellation of
+            # the caller lands here and leaves the cleanup running.
+            await asyncio.wait([task], timeout=remaining)
         except asyncio.CancelledError:
-            if not task.done():
-                cancelled = True
+            cancelled = True
+    if not task.done():
+        _abandon(task)
+        if on_timeout is not None:
+            try:
+                on_timeout()
+            except Exception as exc:  # the cleanup is already abandoned; say so and go on
+                log.warning("pgcoord: discarding after an abandoned cleanup failed: %r", exc)
+        if cancelled:
+            raise asyncio.CancelledError
+        raise CleanupTimeout(f"cleanup did not finish within {bound} s; abandoned")
     if cancelled:
         if not task.cancelled() and task.exception() is None:
             raise asyncio.CancelledError
@@ -46,14 +115,26 @@ async def finish_despite_cancel(aw: Awaitable[T]) -> T:
     return task.result()
 
 
+def _abandon(task: asyncio.Future[Any]) -> None:
+    _abandoned.add(task)
+    task.add_done_callback(_abandoned.discard)
+    task.add_done_callback(consume_result)
+    task.cancel("pgcoord: cleanup ran past its bound")
+
+
 async def _resume(coro: Coroutine[Any, Any, T], waiting_on: Any) -> T:
     """Carry on a coroutine that was stepped by hand and is suspended on
     ``waiting_on``, what it yielded to the event loop: a future, or None for a
-    bare yield. This does for it what an asyncio task would have done."""
+    bare yield. This does for it what an asyncio task would have done, including
+    passing a cancellation of this task on to the coroutine."""
     while True:
         try:
             if waiting_on is None:
-                await asyncio.sleep(0)
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError as exc:
+                    waiting_on = coro.throw(exc)
+                    continue
             elif not asyncio.isfuture(waiting_on):
                 waiting_on = coro.throw(RuntimeError(f"cleanup yielded {waiting_on!r}, not a future"))
                 continue

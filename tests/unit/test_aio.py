@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pgcoord._aio import finish_despite_cancel
+from pgcoord._aio import CleanupTimeout, finish_despite_cancel
 
 
 async def test_a_cleanup_that_never_suspends_returns_its_value() -> None:
@@ -71,3 +71,65 @@ async def test_a_cleanup_failing_after_it_suspended_raises_to_the_caller() -> No
 
     with pytest.raises(OSError, match="rollback failed"):
         await finish_despite_cancel(cleanup())
+
+
+def test_the_inline_first_step_protocol_holds_on_this_interpreter() -> None:
+    # finish_despite_cancel steps a cleanup by hand, relying on asyncio's private
+    # _asyncio_future_blocking protocol. If an interpreter changes it, the helper
+    # falls back to a task per cleanup; this test says so loudly.
+    from pgcoord import _aio
+
+    assert _aio.INLINE_FIRST_STEP is True
+
+
+async def test_a_cleanup_past_its_bound_is_abandoned_and_the_caller_goes_on() -> None:
+    discarded: list[str] = []
+    finally_ran = asyncio.Event()
+
+    async def hung_cleanup() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            finally_ran.set()
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(CleanupTimeout):
+        await finish_despite_cancel(hung_cleanup(), bound=0.2, on_timeout=lambda: discarded.append("x"))
+    assert 0.15 < loop.time() - started < 2.0
+    assert discarded == ["x"]
+    # The caller's task carries no cancellation it did not ask for.
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # the abandoned cleanup ran its finally in its own task
+    await asyncio.wait_for(finally_ran.wait(), 1.0)
+
+
+async def test_a_hung_cleanup_of_a_cancelled_caller_delivers_only_the_cancel() -> None:
+    started = asyncio.Event()
+
+    async def hung_cleanup() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    async def caller() -> None:
+        await finish_despite_cancel(hung_cleanup(), bound=0.2)
+
+    task = asyncio.create_task(caller())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
+
+
+async def test_a_timeout_inside_the_caller_is_untouched_by_the_cleanup_bound() -> None:
+    # The regression this guards: a cleanup's bound used to be an asyncio.timeout
+    # entered on the caller's task, which then cancelled the caller.
+    async def slow_cleanup() -> str:
+        await asyncio.sleep(0.05)
+        return "done"
+
+    async with asyncio.timeout(5):
+        assert await finish_despite_cancel(slow_cleanup(), bound=0.01 + 1.0) == "done"
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
