@@ -68,15 +68,44 @@ def _classify(source: Any) -> tuple[type[AsyncTxSession] | type[SyncTxSession], 
     raise UnsupportedConnection(f"pgcoord cannot use {_describe(source)}; expected {_ACCEPTED}")
 
 
-def check_source(source: Any, *, need_async: bool = False) -> None:
+def check_source(source: Any, *, need_async: bool = False, background: str | None = None) -> None:
     """Raise now for an object no driver adapter accepts (``UnsupportedConnection``),
-    or for a synchronous one where background work needs an async one (``TypeError``)."""
+    or for a synchronous one where background work needs an async one (``TypeError``).
+
+    ``background`` names a feature that runs statements in the background (renewals,
+    concurrent jobs): it is refused a bare connection, which it would share with the
+    caller's own statements and transactions (a rollback of the caller's transaction
+    would undo a renewal already counted as made)."""
     _, is_async = _session_class(source)
     if need_async and not is_async:
         raise TypeError(
             f"{_describe(source)} is synchronous; this feature runs in the background on "
             "asyncio and needs an async pool or connection"
         )
+    if background is not None and is_bare_connection(source):
+        raise UnsupportedConnection(
+            f"{background} runs statements in the background and cannot share the "
+            f"connection {_describe(source)} with its owner; pass a pool or an engine "
+            "(asyncpg Pool, psycopg AsyncConnectionPool, SQLAlchemy AsyncEngine)"
+        )
+
+
+def is_bare_connection(source: Any) -> bool:
+    """True for a single connection (of any accepted driver), False for a pool or engine."""
+    driver = _driver_of(source)
+    if driver == "asyncpg":
+        from . import asyncpg as amod
+
+        return isinstance(source, amod.CONNECTION_TYPES)
+    if driver == "psycopg":
+        from . import psycopg as pmod
+
+        return isinstance(source, pmod.ASYNC_CONNECTION_TYPES + pmod.SYNC_CONNECTION_TYPES)
+    if driver == "sqlalchemy":
+        from . import sqlalchemy as smod
+
+        return not isinstance(source, smod.ENGINE_TYPES)
+    return False
 
 
 def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSession:

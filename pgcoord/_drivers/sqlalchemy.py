@@ -26,6 +26,7 @@ from .base import ISOLATION_LEVELS, AsyncTxSession, LockStatement, SyncTxSession
 
 ASYNC_TYPES = (AsyncEngine, AsyncConnection)
 SYNC_TYPES = (Engine, Connection)
+ENGINE_TYPES = (AsyncEngine, Engine)
 
 
 def named_params(params: tuple[Any, ...]) -> dict[str, Any]:
