@@ -20,6 +20,7 @@ from .errors import (
 )
 from .leases import Lease, check_fence
 from .locks import ExclusiveLock, exclusive
+from .member import Member, MemberInfo, MemberJoined, MemberLeft
 from .scheduler import Scheduler, Slot
 from .session import HeldLock, LockHolder
 
@@ -37,6 +38,10 @@ __all__ = [
     "LockLost",
     "LockTableFull",
     "LockTimeout",
+    "Member",
+    "MemberInfo",
+    "MemberJoined",
+    "MemberLeft",
     "PgcoordError",
     "Scheduler",
     "SchemaMissing",

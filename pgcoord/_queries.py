@@ -1,4 +1,5 @@
-"""Named runtime queries, parsed once from ``sql/queries.sql``.
+"""Named runtime queries, parsed once from ``sql/queries.sql`` and the other
+``*_queries.sql`` files beside it (one per concept).
 
 Blocks start with ``-- name: <name>``; comment lines directly below the name are
 documentation and are dropped. Bind parameters are written ``$1, $2, ...`` and
@@ -33,9 +34,12 @@ def parse(text: str) -> dict[str, str]:
     return queries
 
 
+_FILES = ("queries.sql", "member_queries.sql")
+
+
 @cache
 def _all() -> dict[str, str]:
-    return parse(read_sql("queries.sql"))
+    return parse("\n".join(read_sql(name) for name in _FILES))
 
 
 def query(name: str) -> str:

@@ -1,0 +1,488 @@
+"""``Member``: a process's presence in the database, and crash news in milliseconds.
+
+A member is one dedicated *main* session that holds the member's alive lock
+(see ``sql/0004_members.up.sql``) and LISTENs for membership news. The server
+releases that lock the moment the session ends: the process died, the session
+was terminated, the server restarted, or the server itself ended a silent
+session (``idle_session_timeout``, 0.9 x ttl, after a pause or a partition).
+
+Who notices? Members of a group form a ring ordered by id. Each member's second
+session, the *watcher*, waits in the lock queue for its successor's alive lock.
+When the successor's session ends the watcher is granted the lock at once; the
+member deletes the successor's row, announces ``left`` with NOTIFY to everyone,
+gives the lock back and moves on to the next successor. Simultaneous deaths of
+neighbours are found one after another by the same watcher, each in one round
+trip. A watcher that was paused itself when its target died holds the dead
+member's lock until the server ends the paused session; meanwhile every live
+member's heartbeat (every ttl/3) sweeps the group for rows whose own session no
+longer holds their lock, so that death is told within ttl/3 even then.
+
+Failure detection bounds (measured by ``bench/members.py``): a death that ends
+the session (SIGKILL, ``pg_terminate_backend``) is told in one lock grant plus
+one NOTIFY; a silent member within 0.9 x ttl of its last heartbeat; a death
+whose watcher is itself paused within ttl/3 more.
+
+A member uses exactly two server connections, whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import random
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import _errmap
+from ._aio import consume_result, finish_despite_cancel
+from ._holderconn import DsnSource, HolderConnection
+from ._listen import listen
+from ._queries import query
+from .errors import PgcoordError, SchemaMissing
+
+__all__ = ["Member", "MemberInfo", "MemberJoined", "MemberLeft"]
+
+log = logging.getLogger("pgcoord.member")
+
+CHANNEL = "pgcoord_members"
+_SQLSTATE_NAME_TAKEN = "PC003"
+_SQLSTATE_QUERY_CANCELED = "57014"
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One live member as the database records it."""
+
+    id: int
+    name: str
+    group: str
+    meta: dict[str, Any] = field(compare=False)
+    joined_at: dt.datetime = field(compare=False)
+
+
+@dataclass(frozen=True)
+class MemberJoined:
+    member: MemberInfo
+
+
+@dataclass(frozen=True)
+class MemberLeft:
+    member: MemberInfo
+    #: ``left`` (it said goodbye), ``crashed`` (its session ended while it was
+    #: heartbeating), ``silent`` (it had stopped heartbeating first: paused, cut off).
+    reason: Literal["left", "crashed", "silent"]
+
+
+MemberChange = MemberJoined | MemberLeft
+
+
+class NameTaken(PgcoordError):
+    """A live member of this group already has this name."""
+
+
+def _default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _validate(group: Any, name: Any, meta: Any, ttl: Any) -> tuple[str, str, str, float]:
+    if not isinstance(group, str) or not group:
+        raise ValueError("group must be a non-empty str")
+    if name is None:
+        name = _default_name()
+    if not isinstance(name, str) or not name:
+        raise ValueError("name must be a non-empty str or None")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict, not {type(meta).__name__}")
+    try:
+        meta_json = json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"meta must be JSON-serialisable: {exc}") from None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl < 1.0:
+        raise ValueError(f"ttl must be at least 1 s, got {ttl}")
+    return group, name, meta_json, float(ttl)
+
+
+def _info(row: dict[str, Any]) -> MemberInfo:
+    return MemberInfo(
+        id=int(row["id"]), name=str(row["name"]), group=str(row["group"]),
+        meta=dict(row["meta"] or {}), joined_at=dt.datetime.fromisoformat(row["joined_at"]),
+    )
+
+
+class _SessionLost(Exception):
+    pass
+
+
+class Member:
+    """One process's presence in a group; see DESIGN §6."""
+
+    def __init__(
+        self, dsn: str, *, group: str = "default", name: str | None = None,
+        meta: dict[str, Any] | None = None, ttl: float = 10.0, driver: str | None = None,
+        application_name: str | None = None,
+    ) -> None:
+        if not isinstance(dsn, str):
+            raise TypeError("Member takes a DSN: it needs sessions of its own, never a pool's")
+        self.group, self.name, self._meta_json, self.ttl = _validate(group, name, meta, ttl)
+        self.meta: dict[str, Any] = json.loads(self._meta_json)
+        self.application_name = (application_name or f"pgcoord-member:{self.name}")[:63]
+        self._source = DsnSource(dsn, driver, keepalive=self.ttl)
+        #: This member's id while joined; a new one after each rejoin.
+        self.id: int | None = None
+        self.joined_at: dt.datetime | None = None
+        self._main: HolderConnection | None = None
+        self._watcher: HolderConnection | None = None
+        self._main_io = asyncio.Lock()
+        self._view: dict[int, MemberInfo] = {}
+        self._reasons: dict[int, str] = {}
+        self._subscribers: set[asyncio.Queue[MemberChange]] = set()
+        self._news = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._joined = asyncio.Event()
+        self._target: int | None = None
+        self._watch_changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._open = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Member:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Join the group; returns once joined (raises if the first join fails)."""
+        if self._open:
+            raise RuntimeError("this Member is already open")
+        self._open = True
+        try:
+            await self._join()
+        except BaseException:
+            self._open = False
+            await finish_despite_cancel(self._drop_sessions())
+            raise
+        self._runner = asyncio.create_task(self._run(), name=f"pgcoord-member:{self.name}")
+
+    async def close(self) -> None:
+        """Leave the group (announced as ``left``) and close both sessions."""
+        if not self._open:
+            return
+        self._open = False
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await runner
+        await self._stop_tasks()
+        with contextlib.suppress(Exception):
+            await finish_despite_cancel(self._leave())
+        await finish_despite_cancel(self._drop_sessions())
+        for queue in self._subscribers:
+            queue.put_nowait(_END)
+
+    async def _leave(self) -> None:
+        if self.id is not None and self._main is not None and not self._lost.is_set():
+            await self._main.fetchval(query("member_leave"), self.id)
+
+    async def _drop_sessions(self) -> None:
+        for conn in (self._watcher, self._main):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close_now()
+        self._watcher = self._main = None
+        self.id = None
+        self._joined.clear()
+
+    async def _stop_tasks(self) -> None:
+        tasks, self._tasks = set(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(consume_result)
+        return task
+
+    # -- sessions ------------------------------------------------------------------------
+
+    @property
+    def _idle_ms(self) -> int:
+        # As for the elector: the member speaks every ttl/3, and the server ends
+        # its session after 0.9 ttl of silence, inside the one-ttl bound.
+        return int(self.ttl * 900)
+
+    async def _open_session(self, role: str) -> HolderConnection:
+        conn = await self._source.open()
+        try:
+            await conn.prepare()
+            idle = str(max(1, int(self.ttl / 2)))
+            conn.backend_pid = int(await conn.fetchval(
+                query("holder_setup"), f"{self.application_name}"[: 63 - len(role)] + role,
+                idle, idle, str(int(self.ttl * 1000)),
+            ))
+            setup = "member_session" if role == "" else "member_watcher_session"
+            await conn.execute(query(setup).format(idle_ms=self._idle_ms))
+        except BaseException:
+            await finish_despite_cancel(conn.close_now())
+            raise
+        return conn
+
+    async def _join(self) -> None:
+        """Open both sessions, LISTEN, join, and load the view."""
+        lost = asyncio.Event()
+        main = await self._open_session("")
+        self._main = main
+        main.on_lost(lost.set)
+        try:
+            await listen(main, CHANNEL, self._on_notify)
+            with _errmap.schema_missing_raised():
+                try:
+                    row = await main.fetchval(
+                        "SELECT pg_catalog.row_to_json(j)::text FROM ("
+                        + query("member_join") + ") AS j",
+                        self.group, self.name, self._meta_json, int(self.ttl * 1000),
+                        self.application_name, True,
+                    )
+                except Exception as exc:
+                    if _errmap.sqlstate(exc) == _SQLSTATE_NAME_TAKEN:
+                        raise NameTaken(
+                            f"a live member of group {self.group!r} is already named {self.name!r}"
+                        ) from None
+                    raise
+            joined = json.loads(row)
+            self.id = int(joined["id"])
+            self.joined_at = dt.datetime.fromisoformat(joined["joined_at"])
+            watcher = await self._open_session("/watch")
+            self._watcher = watcher
+            watcher.on_lost(lost.set)
+        except BaseException:
+            await finish_despite_cancel(self._drop_sessions())
+            raise
+        self._lost = lost
+        await self._refresh(initial=True)
+        self._joined.set()
+        log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
+
+    async def _call(self, sql: str, *args: Any) -> Any:
+        """One statement on the main session, serialised with every other user of it."""
+        conn = self._main
+        if conn is None or self._lost.is_set():
+            raise _SessionLost("the member's session is gone")
+        async with self._main_io:
+            try:
+                return await conn.fetchval(sql, *args)
+            except Exception as exc:
+                if _errmap.session_gone(exc):
+                    self._lost.set()
+                    raise _SessionLost(repr(exc)) from exc
+                raise
+
+    # -- the background work ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """Heartbeat, watch the successor and apply news; rejoin after a lost session."""
+        backoff = 0.0
+        while True:
+            try:
+                if self._main is None:
+                    await self._join()
+                    backoff = 0.0
+                parts = [
+                    self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}"),
+                    self._spawn(self._watch_loop(), f"pgcoord-member-watch:{self.name}"),
+                    self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
+                ]
+                lost_wait = asyncio.ensure_future(self._lost.wait())
+                try:
+                    await asyncio.wait([lost_wait, *parts], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    lost_wait.cancel()
+                for part in parts:
+                    if part.done() and not part.cancelled() and part.exception() is not None:
+                        log.warning("member %r: %r", self.name, part.exception())
+                log.warning("member %r (id %s): session lost; joining again", self.name, self.id)
+            except SchemaMissing:
+                raise
+            except (OSError, Exception) as exc:
+                backoff = min(max(backoff * 2, 0.05), self.ttl / 3)
+                log.warning("member %r: %r; joining again in %.2fs", self.name, exc, backoff)
+            own_id = self.id
+            await self._stop_tasks()
+            await finish_despite_cancel(self._drop_sessions())
+            self._forget_view(own_id)
+            if backoff:
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+
+    def _forget_view(self, own_id: int | None) -> None:
+        """Our session ended, so what we knew of others may be stale: every peer we
+        knew is reported gone; the next join reports the live ones again."""
+        old, self._view = self._view, {}
+        for info in old.values():
+            if info.id != own_id:
+                self._emit(MemberLeft(info, "crashed"))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            alive = await self._call(query("member_heartbeat"), self.id)
+            if not alive:
+                # Declared dead (our lock was not seen): a new incarnation joins.
+                self._lost.set()
+                return
+
+    async def _news_loop(self) -> None:
+        while True:
+            await self._news.wait()
+            self._news.clear()
+            await self._refresh()
+
+    def _on_notify(self, payload: str) -> None:
+        try:
+            news = json.loads(payload)
+        except ValueError:
+            return
+        if news.get("group") != self.group:
+            return
+        if news.get("ev") == "left":
+            self._reasons[int(news["id"])] = str(news.get("reason") or "crashed")
+            # A departure needs no query: apply it now, for the watcher too.
+            gone = self._view.pop(int(news["id"]), None)
+            if gone is not None:
+                self._emit(MemberLeft(gone, self._reason(gone.id)))
+                self._retarget()
+        else:
+            self._news.set()
+
+    def _reason(self, member_id: int) -> Literal["left", "crashed", "silent"]:
+        reason = self._reasons.pop(member_id, "crashed")
+        return reason if reason in ("left", "silent") else "crashed"  # type: ignore[return-value]
+
+    async def _refresh(self, *, initial: bool = False) -> None:
+        rows = json.loads(await self._call(query("member_peers"), self.group))
+        fresh = {info.id: info for info in map(_info, rows)}
+        old, self._view = self._view, fresh
+        if not initial or old:
+            for member_id, info in old.items():
+                if member_id not in fresh:
+                    self._emit(MemberLeft(info, self._reason(member_id)))
+        for member_id, info in fresh.items():
+            if member_id not in old and member_id != self.id:
+                self._emit(MemberJoined(info))
+        self._retarget()
+
+    def _emit(self, change: MemberChange) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(change)
+
+    def _successor(self) -> int | None:
+        others = sorted(i for i in self._view if i != self.id)
+        if not others or self.id is None:
+            return None
+        return next((i for i in others if i > self.id), others[0])
+
+    def _retarget(self) -> None:
+        """Move a watcher blocked on a target that is no longer our successor."""
+        target = self._target
+        if target is None or target == self._successor() or self._watcher is None:
+            self._watch_changed.set()
+            return
+        self._spawn(self._cancel_watch(), f"pgcoord-member-retarget:{self.name}")
+
+    async def _cancel_watch(self) -> None:
+        watcher = self._watcher
+        if watcher is not None and self._target is not None:
+            with contextlib.suppress(_SessionLost):
+                await self._call(query("member_cancel_watch"), watcher.backend_pid)
+
+    async def _watch_loop(self) -> None:
+        watcher = self._watcher
+        assert watcher is not None
+        while True:
+            target = self._successor()
+            if target is None:
+                self._watch_changed.clear()
+                await self._watch_changed.wait()
+                continue
+            self._target = target
+            try:
+                await watcher.fetchval(query("member_wait_alive"), target)
+            except Exception as exc:
+                self._target = None
+                if _errmap.sqlstate(exc) == _SQLSTATE_QUERY_CANCELED:
+                    continue  # moved on to another successor
+                if _errmap.session_gone(exc):
+                    self._lost.set()
+                raise
+            self._target = None
+            # Granted: the target's session is gone. Tell everyone, then let go.
+            reason = await self._call(query("member_reap"), target)
+            # Tell our own subscribers now rather than when our NOTIFY comes back,
+            # and move on past the dead member at once. No reason: it said
+            # goodbye, and that news is still on its way to us.
+            gone = self._view.pop(target, None)
+            if gone is not None:
+                self._reasons.pop(target, None)
+                self._emit(MemberLeft(gone, reason or "left"))
+            await self._unwatch(watcher, target)
+
+    async def _unwatch(self, watcher: HolderConnection, target: int) -> None:
+        # A retarget's pg_cancel_backend may land on this statement: try again.
+        for _ in range(5):
+            try:
+                await watcher.fetchval(query("member_unwatch"), target)
+                return
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _SQLSTATE_QUERY_CANCELED:
+                    raise
+        raise RuntimeError(f"could not give back member {target}'s alive lock")
+
+    # -- the public view -----------------------------------------------------------------------
+
+    async def peers(self) -> list[MemberInfo]:
+        """Every live member of the group, this one included, by id (a fresh read)."""
+        if not self._open:
+            raise RuntimeError("Member is not open: use `async with Member(...)`")
+        await self._joined.wait()
+        rows = json.loads(await self._call(query("member_peers"), self.group))
+        return [_info(row) for row in rows]
+
+    async def watch(self) -> AsyncIterator[MemberChange]:
+        """Membership changes from now on: ``MemberJoined`` and ``MemberLeft``.
+
+        Ends when the member is closed. A lost session of our own is reported as
+        every peer leaving (``crashed``), then joining again once we rejoin.
+        """
+        queue: asyncio.Queue[MemberChange] = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            while True:
+                change = await queue.get()
+                if change is _END:
+                    return
+                yield change
+        finally:
+            self._subscribers.discard(queue)
+
+
+_END: Any = object()

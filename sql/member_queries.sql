@@ -1,0 +1,47 @@
+-- Runtime SQL of pgcoord.Member (see sql/0004_members.up.sql), in the format of
+-- queries.sql: `-- name: <name>` then the text; $1, $2 are bind parameters.
+
+-- name: member_session
+-- The member's main session: the server ends it after {idle_ms} ms of silence,
+-- so a paused or partitioned member loses its alive lock and is announced gone.
+SET idle_session_timeout = {idle_ms}
+
+-- name: member_watcher_session
+-- The watcher waits in the lock queue for its successor's alive lock. Once
+-- granted it goes idle; if this process is paused then, the server ends the
+-- session after {idle_ms} ms so the lock does not hide the death from others.
+-- A dead client is noticed during the wait too (client_connection_check_interval).
+SET idle_session_timeout = {idle_ms}; SET client_connection_check_interval = 1000
+
+-- name: member_join
+SELECT id, joined_at FROM pgcoord.member_join($1, $2, $3::jsonb, $4, $5, $6)
+
+-- name: member_leave
+SELECT pgcoord.member_leave($1)
+
+-- name: member_reap
+SELECT pgcoord.member_reap($1)
+
+-- name: member_heartbeat
+SELECT pgcoord.member_heartbeat($1)
+
+-- name: member_peers
+-- Live members of a group, as JSON so that every driver returns the same shape.
+SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_object(
+           'id', m.id, 'name', m.name, 'group', m."group", 'meta', m.meta,
+           'joined_at', pg_catalog.to_char(m.joined_at AT TIME ZONE 'UTC',
+                                           'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
+       ORDER BY m.id)::text, '[]')
+FROM pgcoord.members AS m WHERE m."group" = $1
+
+-- name: member_wait_alive
+-- Blocks until member $1's session is gone (its alive lock is released), then
+-- holds that lock; the watcher gives it back at once with member_unwatch.
+SELECT pg_catalog.pg_advisory_lock(1885823853, $1)
+
+-- name: member_unwatch
+SELECT pg_catalog.pg_advisory_unlock(1885823853, $1)
+
+-- name: member_cancel_watch
+-- Move a blocked watcher to another target: cancel its lock wait.
+SELECT pg_catalog.pg_cancel_backend($1)

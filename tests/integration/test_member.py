@@ -1,0 +1,273 @@
+"""Member: joining, peers, leaving, and crash news from real sessions and processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import pgcoord
+from pgcoord.member import NameTaken
+
+from .conftest import sql
+
+REPLICA = str(Path(__file__).with_name("member_replica.py"))
+DRIVERS = ["asyncpg", "psycopg"]
+
+
+def group() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+def member_locks(dsn: str) -> list[tuple[int, int]]:
+    """(pid, member id) of every alive lock (two-int advisory lock, objsubid 2) held."""
+    return [(int(p), int(i)) for p, i in sql(  # type: ignore[call-overload]
+        dsn, "select pid, objid::bigint from pg_locks where locktype = 'advisory' and objsubid = 2"
+             " and classid = 1885823853 and granted and database ="
+             " (select oid from pg_database where datname = current_database())")]
+
+
+async def next_change(it: object, timeout: float = 5.0) -> pgcoord.MemberJoined | pgcoord.MemberLeft:
+    return await asyncio.wait_for(it.__anext__(), timeout)  # type: ignore[attr-defined, no-any-return]
+
+
+async def next_left(it: object, timeout: float = 5.0) -> pgcoord.MemberLeft:
+    """The next departure, passing over joins (whose news may arrive in any order)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            change = await it.__anext__()  # type: ignore[attr-defined]
+            if isinstance(change, pgcoord.MemberLeft):
+                return change
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_members_see_each_other_join_and_leave(dsn: str, driver: str) -> None:
+    g = group()
+    async with pgcoord.Member(dsn, group=g, name="a", meta={"zone": "a"}, driver=driver) as a:
+        changes = a.watch()
+        first = asyncio.ensure_future(next_change(changes))
+        await asyncio.sleep(0)
+        async with pgcoord.Member(dsn, group=g, name="b", driver=driver) as b:
+            joined = await first
+            assert isinstance(joined, pgcoord.MemberJoined) and joined.member.name == "b"
+            peers = await b.peers()
+            assert [(p.name, p.group, p.meta) for p in peers] == [("a", g, {"zone": "a"}), ("b", g, {})]
+            assert peers[0].id == a.id and peers[1].id == b.id
+            assert sql(dsn, 'select name from pgcoord.members where "group" = %s order by id', g) == [
+                ("a",), ("b",)]
+        left = await next_change(changes)
+        assert isinstance(left, pgcoord.MemberLeft)
+        assert (left.member.name, left.reason) == ("b", "left")
+        assert [p.name for p in await a.peers()] == ["a"]
+    assert sql(dsn, 'select count(*) from pgcoord.member_sessions where "group" = %s', g) == [(0,)]
+    assert member_locks(dsn) == []
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_terminated_session_is_news_at_once_and_the_member_joins_again(
+    dsn: str, driver: str,
+) -> None:
+    g = group()
+    async with (
+        pgcoord.Member(dsn, group=g, name="a", driver=driver) as a,
+        pgcoord.Member(dsn, group=g, name="b", driver=driver, ttl=30) as b,
+        pgcoord.Member(dsn, group=g, name="c", driver=driver) as c,
+    ):
+        seen_by_a, seen_by_c = a.watch(), c.watch()
+        waits = [asyncio.ensure_future(next_left(it)) for it in (seen_by_a, seen_by_c)]
+        await asyncio.sleep(0.05)
+        old_id = b.id
+        assert b._main is not None
+        started = time.monotonic()
+        sql(dsn, "select pg_terminate_backend(%s)", b._main.backend_pid)
+        for change in await asyncio.gather(*waits):
+            assert isinstance(change, pgcoord.MemberLeft)
+            assert (change.member.name, change.member.id, change.reason) == ("b", old_id, "crashed")
+        # Generous: the bound is milliseconds (bench/members.py); a ttl of 30 s
+        # rules out anything but the watcher having found it.
+        assert time.monotonic() - started < 2.0
+        while True:
+            back = await next_change(seen_by_a)
+            if isinstance(back, pgcoord.MemberJoined) and back.member.name == "b":
+                break
+        assert back.member.id != old_id
+        assert sorted(p.name for p in await c.peers()) == ["a", "b", "c"]
+
+
+async def test_names_are_unique_among_live_members(dsn: str) -> None:
+    g = group()
+    async with pgcoord.Member(dsn, group=g, name="same"):
+        with pytest.raises(NameTaken):
+            async with pgcoord.Member(dsn, group=g, name="same"):
+                pass
+        async with pgcoord.Member(dsn, group=group(), name="same"):
+            pass  # another group may use it
+    assert member_locks(dsn) == []
+
+
+async def test_a_member_uses_two_connections(dsn: str) -> None:
+    g = group()
+    async with pgcoord.Member(dsn, group=g, name="budget", application_name="budget-check") as m:
+        rows = sql(dsn, "select count(*) from pg_stat_activity where application_name like 'budget-check%%'")
+        assert rows == [(2,)]
+        assert m.id is not None
+
+
+def test_bad_arguments_fail_at_construction(dsn: str) -> None:
+    with pytest.raises(TypeError):
+        pgcoord.Member(object(), group="g")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        pgcoord.Member(dsn, group="")
+    with pytest.raises(ValueError):
+        pgcoord.Member(dsn, ttl=0.2)
+    with pytest.raises(TypeError):
+        pgcoord.Member(dsn, ttl="10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        pgcoord.Member(dsn, meta={"f": object()})
+    with pytest.raises(ValueError):
+        pgcoord.Member(dsn, driver="pg8000")
+
+
+class Fleet:
+    """Member processes of one group; each one's output lines as they come."""
+
+    def __init__(self, dsn: str, ttl: float, driver: str, n: int) -> None:
+        self.dsn, self.ttl, self.driver = dsn, ttl, driver
+        self.group = group()
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.lines: dict[str, list[str]] = {}
+        for i in range(n):
+            self.spawn(f"m{i}")
+        self.wait_for(lambda: all(any(ln.startswith("JOINED ") for ln in self.lines[n]) for n in self.procs))
+        # Every member knows every other (joins told) before anything is killed.
+        time.sleep(0.3)
+
+    def spawn(self, name: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        proc = subprocess.Popen(
+            [sys.executable, REPLICA, self.dsn, self.group, name, str(self.ttl), self.driver],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        lines: list[str] = []
+        self.procs[name], self.lines[name] = proc, lines
+        threading.Thread(target=lambda: [lines.append(ln.strip()) for ln in proc.stdout],  # type: ignore[union-attr]
+                         daemon=True).start()
+
+    def wait_for(self, check: object, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; output: {self.lines}")
+            time.sleep(0.02)
+
+    def left_seen(self, observer: str, name: str) -> tuple[str, float] | None:
+        for line in self.lines[observer]:
+            parts = line.split()
+            if parts[:2] == ["LEFT", name]:
+                return parts[2], float(parts[3])
+        return None
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def fleet_factory(dsn: str) -> Iterator[object]:
+    fleets: list[Fleet] = []
+
+    def make(n: int, ttl: float, driver: str = "asyncpg") -> Fleet:
+        fleet = Fleet(dsn, ttl, driver, n)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_two_neighbours_killed_at_once_are_both_told_to_every_survivor(
+    fleet_factory: object, driver: str,
+) -> None:
+    fleet: Fleet = fleet_factory(5, 30.0, driver)  # type: ignore[operator]
+    ids = {}
+    for name in fleet.procs:
+        ids[name] = int(next(ln for ln in fleet.lines[name] if ln.startswith("JOINED ")).split()[1])
+    ring = sorted(fleet.procs, key=ids.__getitem__)
+    victims = ring[1:3]  # neighbours in the ring: one watches the other
+    killed_at = time.time()
+    for name in victims:
+        fleet.procs[name].kill()
+    survivors = [n for n in ring if n not in victims]
+    fleet.wait_for(lambda: all(fleet.left_seen(s, v) for s in survivors for v in victims), timeout=10)
+    for s in survivors:
+        for v in victims:
+            seen = fleet.left_seen(s, v)
+            assert seen is not None
+            reason, at = seen
+            assert reason == "crashed"
+            # ttl is 30 s: only the watcher ring can tell it this fast.
+            assert at - killed_at < 3.0, (s, v, at - killed_at)
+
+
+@pytest.mark.slow
+def test_a_paused_member_is_told_silent_within_about_a_ttl(fleet_factory: object, dsn: str) -> None:
+    ttl = 2.0
+    fleet: Fleet = fleet_factory(3, ttl)  # type: ignore[operator]
+    victim = "m1"
+    pid_of = {r[0]: r[1] for r in sql(
+        dsn, 'select name, pid from pgcoord.members where "group" = %s', fleet.group)}
+    stopped_at = time.time()
+    fleet.procs[victim].send_signal(signal.SIGSTOP)
+    try:
+        fleet.wait_for(lambda: all(fleet.left_seen(s, victim) for s in ("m0", "m2")), timeout=10)
+        for s in ("m0", "m2"):
+            seen = fleet.left_seen(s, victim)
+            assert seen is not None
+            reason, at = seen
+            assert reason == "silent"
+            assert at - stopped_at < 1.1 * ttl + 1.0
+        # Never before the server really ended its session.
+        assert sql(dsn, "select count(*) from pg_stat_activity where pid = %s", pid_of[victim]) == [(0,)]
+    finally:
+        fleet.procs[victim].send_signal(signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_a_death_whose_watcher_is_paused_is_still_told(fleet_factory: object, dsn: str) -> None:
+    ttl = 3.0
+    fleet: Fleet = fleet_factory(4, ttl)  # type: ignore[operator]
+    ids = {n: int(next(ln for ln in fleet.lines[n] if ln.startswith("JOINED ")).split()[1])
+           for n in fleet.procs}
+    ring = sorted(fleet.procs, key=ids.__getitem__)
+    watcher, target = ring[0], ring[1]
+    fleet.procs[watcher].send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.1)
+        killed_at = time.time()
+        fleet.procs[target].kill()
+        others = ring[2:]
+        fleet.wait_for(lambda: all(fleet.left_seen(o, target) for o in others), timeout=15)
+        for o in others:
+            seen = fleet.left_seen(o, target)
+            assert seen is not None
+            # The heartbeat sweep finds it (ttl/3), well before the paused
+            # watcher's own session is ended (0.9 ttl).
+            assert seen[1] - killed_at < ttl, (o, seen[1] - killed_at)
+    finally:
+        fleet.procs[watcher].send_signal(signal.SIGCONT)
