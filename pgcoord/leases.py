@@ -7,23 +7,28 @@ database is never renewed, not even by its last holder. Only the database clock
 decides expiry. The holder keeps a *trust window* on its monotonic clock that
 closes before the server would let anyone take over, and stops believing it
 holds the lease when the window closes, also after a pause.
+
+Every statement a ``Lease`` runs takes a connection from the user's pool for
+that statement only. A connection the pool hands out dead (its session was
+terminated while it sat idle, or the server restarted) is not the caller's
+problem: the statement is tried again on another one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._drivers import (
     check_source,
     fetchval_on,
@@ -32,13 +37,25 @@ from ._drivers import (
     run_statement,
 )
 from ._queries import query
-from .errors import LeaseLost, LockBusy, LockTimeout, StaleFence
+from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
 
 __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
 log = logging.getLogger("pgcoord.leases")
 
+T = TypeVar("T")
+
 SQLSTATE_STALE_FENCE = "PC002"
+
+# How long leaving a lease may wait for its release before giving up on it (the
+# lease then expires on its own). Also sent to the server as the release's
+# lock_timeout, so the server stops waiting when the client does.
+RELEASE_TIMEOUT = CLEANUP_TIMEOUT
+
+# Tries of one statement when the pool hands out connections that turn out dead:
+# after a server restart every idle connection of a pool is, and a pool only
+# finds out on use. One more than the pool has connections, within these bounds.
+MIN_ATTEMPTS, MAX_ATTEMPTS = 3, 12
 
 
 def default_holder() -> str:
@@ -76,20 +93,103 @@ def validate_holder(holder: Any) -> str:
     return holder
 
 
+def lock_timeout_setting(seconds: float) -> str:
+    """A ``lock_timeout`` value for ``seconds``; never 0, which would mean "no limit"."""
+    return f"{max(1, int(seconds * 1000))}ms"
+
+
+# -- pools ----------------------------------------------------------------------------------
+
+def _pool_capacity(source: Any) -> int | None:
+    """The most connections ``source`` (a pool or engine) can have out at once, or
+    None when it has no fixed limit or pgcoord cannot tell."""
+    root = type(source).__module__.partition(".")[0]
+    if root == "asyncpg":
+        return int(source.get_max_size())
+    if root == "psycopg_pool":
+        return int(source.max_size)
+    if root == "sqlalchemy":
+        from sqlalchemy.pool import AssertionPool, QueuePool, SingletonThreadPool, StaticPool
+
+        pool = source.pool
+        if isinstance(pool, StaticPool | AssertionPool | SingletonThreadPool):
+            return 1
+        if isinstance(pool, QueuePool):
+            # QueuePool keeps max_overflow only privately; where it is not an int
+            # (another SQLAlchemy), the limit is unknown and nothing is refused.
+            overflow = getattr(pool, "_max_overflow", None)
+            if isinstance(overflow, int) and overflow >= 0:
+                return int(pool.size()) + overflow
+    return None
+
+
+def _refuse_single_connection_pool(source: Any) -> None:
+    capacity = _pool_capacity(source)
+    if capacity is not None and capacity < 2:
+        raise PgcoordError(
+            "Lease renews in the background with a connection of its own from the pool, "
+            "while the body may hold another: a pool of one connection (max_size=1, or "
+            "pool_size=1 with max_overflow=0) cannot serve both, and the lease would be lost "
+            "whenever the body held it. Use a pool of at least 2 connections"
+        )
+
+
+def _pool_timeout(exc: BaseException) -> bool:
+    """The pool had no connection to give in time: trying again would wait as long again."""
+    if isinstance(exc, TimeoutError):
+        return True
+    root = type(exc).__module__.partition(".")[0]
+    return root in ("psycopg_pool", "sqlalchemy") and type(exc).__name__ in ("PoolTimeout", "TimeoutError")
+
+
+def _dead_connection(exc: BaseException) -> bool:
+    """The statement failed because its connection (or the server) was gone."""
+    return _errmap.session_gone(exc) and not _pool_timeout(exc)
+
+
+def _attempts(source: Any) -> int:
+    capacity = _pool_capacity(source)
+    return MIN_ATTEMPTS if capacity is None else min(max(MIN_ATTEMPTS, capacity + 1), MAX_ATTEMPTS)
+
+
+async def _retried(what: str, attempts: int, attempt: Callable[[bool], Awaitable[T]]) -> T:
+    """``attempt(retrying)``, tried again while it fails on a dead connection.
+
+    Only for statements that may safely run twice, or whose caller checks what the
+    failed try did (``retrying`` tells it)."""
+    for n in range(attempts):
+        try:
+            return await attempt(n > 0)
+        except Exception as exc:
+            if isinstance(exc, PgcoordError) or n + 1 == attempts or not _dead_connection(exc):
+                raise
+            log.info("%s failed on a dead connection, trying another: %r", what, exc)
+    raise AssertionError("unreachable")
+
+
 class Lease:
     """A named lease with a fencing token; see DESIGN §3.
 
     ``async with Lease(pool, "invoice-run", ttl=10) as fence:`` waits to acquire,
     renews every ``ttl/3`` in the background, and cancels the body with
     ``LeaseLost`` when a renewal fails for good or the trust window closes.
+
+    ``source`` is a pool or an engine (asyncpg ``Pool``, psycopg
+    ``AsyncConnectionPool``, SQLAlchemy ``AsyncEngine``) of at least two
+    connections: renewals borrow one for a moment every ``ttl/3``, beside whatever
+    the body holds. A bare connection is refused (``UnsupportedConnection``): the
+    renewals would run beside the owner's own statements, or inside its
+    transaction, where a rollback would undo a renewal already counted.
     """
 
     def __init__(self, source: Any, name: str, *, ttl: float, holder: str | None = None) -> None:
-        check_source(source, need_async=True)
+        check_source(source, need_async=True, background="Lease")
+        _refuse_single_connection_pool(source)
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
         self.holder = validate_holder(holder)
         self._source = source
+        self._attempts = _attempts(source)
         self.fence: int | None = None
         self._trust_until = 0.0
         self._last_renewed = 0.0
@@ -116,6 +216,19 @@ class Lease:
     def _trust(self, sent_at: float) -> None:
         self._trust_until = sent_at + self.ttl - trust_margin(self.ttl)
 
+    async def _row(self, name: str, *params: Any) -> tuple[Any, ...] | None:
+        return await run_statement(self._source, query(name), params)
+
+    async def _take(self, retrying: bool) -> tuple[Any, ...] | None:
+        row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms, None)
+        if row is None and retrying:
+            # The try that failed may have taken the lease before its connection
+            # died: then the row is ours already, with the fence it was given.
+            current = await self._row("lease_current_holder", self.name)
+            if current is not None and current[0] == self.holder:
+                return (current[1],)
+        return row
+
     async def acquire(self, wait: bool = True, timeout: float | None = None) -> int:  # noqa: ASYNC109 - the contract's signature
         """Take the lease (a new fence) and start renewing it; returns the fence."""
         if self.fence is not None:
@@ -125,8 +238,12 @@ class Lease:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             sent = time.monotonic()
-            row = await run_statement(self._source, query("lease_acquire"),
-                             (self.name, self.holder, self._ttl_ms, None))
+            try:
+                row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
+            except PgcoordError:
+                raise
+            except Exception as exc:
+                raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
             if row is not None:
                 self.fence, self._lost = int(row[0]), None
                 self._trust(sent)
@@ -144,17 +261,32 @@ class Lease:
             pause = self.ttl / 3
             await asyncio.sleep(pause if deadline is None else min(pause, deadline - now))
 
+    # -- renewal ------------------------------------------------------------------------------
+
+    async def _renew(self, fence: int) -> tuple[Any, ...] | None:
+        async def once(_retrying: bool) -> tuple[Any, ...] | None:
+            # Idempotent: a second renewal only moves the expiry a little further.
+            return await self._row("lease_renew", self.name, self.holder, fence, self._ttl_ms)
+
+        return await _retried(f"renewing lease {self.name!r}", self._attempts, once)
+
     async def _renew_loop(self) -> None:
-        while self.fence is not None:
+        """Renew every ttl/3 until released or lost. A failure is only a loss when
+        no renewal succeeds before the trust window closes: a lost connection, a
+        terminated session or a server restart in between is tried again."""
+        fence = self.fence
+        assert fence is not None
+        while self.fence == fence and self._lost is None:
             await asyncio.sleep(max(0.0, self._next_renewal - time.monotonic()))
             sent = time.monotonic()
-            attempt = asyncio.ensure_future(run_statement(
-                self._source, query("lease_renew"), (self.name, self.holder, self.fence, self._ttl_ms)
-            ))
-            done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
+            attempt = asyncio.ensure_future(self._renew(fence))
+            try:
+                done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
+            finally:
+                if not attempt.done():  # timed out, or release() cancelled us
+                    attempt.cancel()
+                    attempt.add_done_callback(consume_result)
             if not done:
-                attempt.cancel()
-                attempt.add_done_callback(consume_result)
                 self._lose("no renewal succeeded before the trust window closed")
                 return
             error = attempt.exception()
@@ -167,14 +299,13 @@ class Lease:
                 self._next_renewal = sent + self.ttl / 3
                 self._trust(sent)
                 continue
-            # A transient error is not a loss while the trust window is open.
+            # Not a loss while the trust window is open: try again soon.
             log.warning("renewing lease %r failed, retrying: %r", self.name, error)
-            if time.monotonic() >= self._trust_until:
+            now = time.monotonic()
+            if now >= self._trust_until:
                 self._lose(f"renewal failed until the trust window closed: {error!r}")
                 return
-            self._next_renewal = time.monotonic() + min(
-                self.ttl / 10, max(0.0, self._trust_until - time.monotonic())
-            )
+            self._next_renewal = now + min(self.ttl / 10, self._trust_until - now)
 
     def _lose(self, reason: str) -> None:
         if self._lost is not None:
@@ -185,25 +316,49 @@ class Lease:
         if self._body is not None:
             self._body.cancel(f"pgcoord: lease {self.name!r} lost: {reason}")
 
+    # -- release ------------------------------------------------------------------------------
+
     async def release(self) -> None:
-        """Stop renewing and give the lease up (a no-op if it was lost)."""
+        """Stop renewing and give the lease up (on the server, a no-op if it was
+        taken over meanwhile).
+
+        Bounded by ``RELEASE_TIMEOUT``: a release that cannot finish in time (the
+        row is locked by a fenced transaction, the server does not answer) is
+        abandoned, and the lease expires on its own at most a ttl after its last
+        renewal. The caller's own outcome is never replaced by the release's.
+        """
         renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not asyncio.current_task():
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await renewer
+        if renewer is asyncio.current_task():
+            renewer = None
         fence, self.fence = self.fence, None
+        if renewer is None and fence is None:
+            return
+        bound = RELEASE_TIMEOUT
+        try:
+            await finish_despite_cancel(self._give_up(renewer, fence, bound), bound=bound)
+        except CleanupTimeout:
+            log.warning("releasing lease %r (fence %s) did not finish within %.1f s; gave up: "
+                        "the lease will expire on its own within %.1f s of its last renewal",
+                        self.name, fence, bound, self.ttl)
+
+    async def _give_up(self, renewer: asyncio.Task[None] | None, fence: int | None, bound: float) -> None:
+        # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
+        if renewer is not None:
+            renewer.cancel()
+            await asyncio.wait({renewer})  # its outcome is not ours to raise
         if fence is None:
             return
 
-        async def give_up() -> None:
-            try:
-                async with asyncio.timeout(CLEANUP_TIMEOUT):
-                    await run_statement(self._source, query("lease_release"), (self.name, self.holder, fence))
-            except Exception as exc:  # it expires on its own; never mask the caller's error
-                log.warning("releasing lease %r failed (it will expire): %r", self.name, exc)
+        async def once(_retrying: bool) -> None:
+            # Idempotent: once released, the row no longer matches holder and fence.
+            await self._row("lease_release_bounded", self.name, self.holder, fence,
+                            lock_timeout_setting(bound))
 
-        await finish_despite_cancel(give_up())
+        try:
+            await _retried(f"releasing lease {self.name!r}", self._attempts, once)
+        except Exception as exc:  # it expires on its own; never mask the caller's error
+            log.warning("releasing lease %r (fence %s) failed; it will expire on its own within "
+                        "%.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
 
     async def __aenter__(self) -> int:
         fence = await self.acquire()
@@ -223,6 +378,15 @@ class Lease:
             raise LeaseLost(f"lease {self.name!r} lost: {lost}") from exc
 
 
+# -- check_fence ---------------------------------------------------------------------------------
+
+_OUTSIDE_TRANSACTION = (
+    "check_fence ran outside a transaction, so the row lock that fences the write ended with "
+    "the statement: run it inside the transaction that makes the fenced write "
+    "(asyncpg: `async with conn.transaction():`; psycopg: without autocommit, or in "
+    "`conn.transaction()`; SQLAlchemy: not on an AUTOCOMMIT connection)"
+)
+
 
 def _stale(exc: BaseException, name: str, fence: int) -> BaseException:
     code = _errmap.sqlstate(exc)
@@ -233,6 +397,42 @@ def _stale(exc: BaseException, name: str, fence: int) -> BaseException:
     return _errmap.as_schema_missing(exc)
 
 
+def _in_transaction(conn: Any) -> bool | None:
+    """Whether ``conn``'s session is inside a transaction block, as its driver last
+    heard from the server; None where pgcoord cannot tell."""
+    driver = conn
+    root = type(conn).__module__.partition(".")[0]
+    if root == "sqlalchemy":
+        sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's Connection
+        if sync is None or getattr(sync, "invalidated", True) or getattr(sync, "closed", True):
+            return None
+        driver = sync.connection.driver_connection
+        root = type(driver).__module__.partition(".")[0]
+    if root == "asyncpg":
+        return bool(driver.is_in_transaction())
+    if root == "psycopg":
+        from psycopg.pq import TransactionStatus
+
+        status = driver.info.transaction_status
+        if status == TransactionStatus.IDLE:
+            return False
+        if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+            return True
+    return None
+
+
+def _outcome(conn: Any, error: BaseException | None, name: str, fence: int) -> None:
+    """Raise what the check found; misuse first, since it fenced nothing either way."""
+    if _in_transaction(conn) is False:
+        raise PgcoordError(_OUTSIDE_TRANSACTION) from (
+            None if error is None else _stale(error, name, fence))
+    if error is not None:
+        mapped = _stale(error, name, fence)
+        if mapped is error:
+            raise error
+        raise mapped from error
+
+
 def check_fence(conn: Any, name: str, fence: int) -> Any:
     """Raise ``StaleFence`` unless ``fence`` is current for lease ``name``.
 
@@ -241,6 +441,18 @@ def check_fence(conn: Any, name: str, fence: int) -> Any:
     does the fenced write. Returns an awaitable for async connections (asyncpg,
     psycopg ``AsyncConnection``, SQLAlchemy ``AsyncConnection``) and runs at
     once for sync ones (psycopg ``Connection``, SQLAlchemy ``Connection``).
+
+    Outside a transaction the row lock would end with the check's own statement
+    and fence nothing, so that raises ``PgcoordError`` (asyncpg outside
+    ``conn.transaction()``, psycopg in autocommit outside ``conn.transaction()``,
+    SQLAlchemy on an AUTOCOMMIT connection). A psycopg or SQLAlchemy connection
+    without autocommit opens its transaction with the check itself, which is fine:
+    the writes that follow join it until commit.
+
+    The SQL function ``pgcoord.check_fence(name, fence)`` cannot tell: in
+    autocommit, one statement that both checks and writes (a trigger on the
+    written table) is fenced, while a check in a statement of its own followed by
+    a write in another is not. Call it in the same transaction as the write.
     """
     validate_name(name)
     if isinstance(fence, bool) or not isinstance(fence, int):
@@ -248,13 +460,17 @@ def check_fence(conn: Any, name: str, fence: int) -> Any:
     sql, params = query("lease_check_fence"), (name, fence)
     if is_async_connection(conn):
         async def check() -> None:
+            error: BaseException | None = None
             try:
                 await fetchval_on(conn, sql, params)
             except Exception as exc:
-                raise _stale(exc, name, fence) from exc
+                error = exc
+            _outcome(conn, error, name, fence)
         return check()
+    error: BaseException | None = None
     try:
         fetchval_on_sync(conn, sql, params)
     except Exception as exc:
-        raise _stale(exc, name, fence) from exc
+        error = exc
+    _outcome(conn, error, name, fence)
     return None

@@ -104,6 +104,15 @@ SELECT expires_at FROM pgcoord.lease_renew($1, $2, $3, $4)
 -- name: lease_release
 SELECT fence FROM pgcoord.lease_release($1, $2, $3)
 
+-- name: lease_release_bounded
+-- lease_release with a server-side bound on its lock wait ($4, e.g. '5000ms'), for
+-- this statement's transaction only: a fenced transaction holding the row FOR SHARE
+-- must not keep the server waiting after the client gave up. The setting is made in
+-- the argument's initplan, which runs before the (non-inlinable) function's UPDATE.
+SELECT r.fence FROM pgcoord.lease_release($1, $2, (
+    SELECT CAST($3 AS bigint) WHERE pg_catalog.set_config('lock_timeout', $4, true) IS NOT NULL
+)) AS r
+
 -- name: lease_check_fence
 SELECT pgcoord.check_fence($1, $2)
 
@@ -121,9 +130,10 @@ SELECT registered_at, now FROM pgcoord.job_register($1, $2, $3)
 
 -- name: job_state
 -- The database clock and, per job, its latest scheduled slot: one round trip a tick.
+-- CAST, not $1::text[]: SQLAlchemy's text() reads ":p1::" as no parameter at all.
 SELECT pg_catalog.clock_timestamp(),
        pg_catalog.array_agg(m.last ORDER BY u.ord)
-FROM pg_catalog.unnest($1::text[]) WITH ORDINALITY AS u(job, ord)
+FROM pg_catalog.unnest(CAST($1 AS text[])) WITH ORDINALITY AS u(job, ord)
 CROSS JOIN LATERAL (
     SELECT max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
 ) AS m
