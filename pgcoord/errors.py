@@ -15,6 +15,7 @@ __all__ = [
     "LockTableFull",
     "LockTimeout",
     "PgcoordError",
+    "PoolExhausted",
     "SchemaMissing",
     "StaleFence",
     "UnsupportedConnection",
@@ -58,6 +59,11 @@ class SchemaMissing(PgcoordError):
 
 class UnsupportedConnection(PgcoordError):
     """pgcoord cannot use this object or connection for the requested feature."""
+
+
+class PoolExhausted(PgcoordError):
+    """No connection could be had at once for this lock: its pool had none to lend,
+    or the LockHolder's max_wait_connections limit was reached."""
 
 
 class LockTableFull(PgcoordError):
