@@ -7,8 +7,10 @@ import datetime as dt
 import json
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
+from ._clierrors import CONNECT_TIMEOUT, has_connect_timeout, libpq_dsn
 from ._errmap import schema_missing_raised
 from ._queries import query
 
@@ -17,20 +19,24 @@ Row = dict[str, Any]
 
 def fetch_holders(dsn: str) -> list[Row]:
     """Rows of ``pgcoord.holders``, with the driver that is installed."""
+    dsn = libpq_dsn(dsn)
     with schema_missing_raised():
         try:
             import psycopg
             from psycopg.rows import dict_row
         except ImportError:
             return asyncio.run(_fetch_asyncpg(dsn))
-        with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status") as conn:
+        # libpq waits for ever for a server that does not answer; a command should not.
+        timeout: dict[str, Any] = {} if has_connect_timeout(dsn) else {"connect_timeout": CONNECT_TIMEOUT}
+        with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status", **timeout) as conn:
             return list(conn.cursor(row_factory=dict_row).execute(query("holders_list")))
 
 
 async def _fetch_asyncpg(dsn: str) -> list[Row]:
     import asyncpg
 
-    conn = await asyncpg.connect(dsn, server_settings={"application_name": "pgcoord status"})
+    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT,
+                                 server_settings={"application_name": "pgcoord status"})
     try:
         return [dict(r) for r in await conn.fetch(query("holders_list"))]
     finally:
@@ -96,16 +102,41 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def run_status(dsn: str, *, watch: float | None = None, as_json: bool = False) -> int:
-    while True:
-        rows = fetch_holders(dsn)
-        if as_json:
-            print(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows], indent=2))
-        else:
+def run_status(
+    dsn: str, *, watch: float | None = None, as_json: bool = False,
+    explain: Callable[[BaseException], str] = str,
+) -> int:
+    """Print the holders once, or every ``watch`` seconds until Ctrl-C.
+
+    A first fetch that fails raises (the command exits with its code). Once
+    watching, a failure (the server restarting, a network blip) is shown in
+    place of the table, through ``explain``, and the next refresh tries again.
+    """
+    shown_once = False
+    try:
+        while True:
+            try:
+                rows: list[Row] | None = fetch_holders(dsn)
+                error = None
+            except Exception as exc:
+                if not (watch and shown_once):
+                    raise
+                rows, error = None, exc
+            shown_once = True
             if watch:
                 print("\x1b[2J\x1b[H", end="")
-            width = min(shutil.get_terminal_size((80, 24)).columns, 120)
-            print(format_table(rows, width))
+                print(f"pgcoord status, every {watch:g}s, {time.strftime('%H:%M:%S')} (Ctrl-C to stop)")
+            if rows is None:
+                print(f"{explain(error) if error else ''}; trying again", flush=True)
+            elif as_json:
+                print(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows], indent=2))
+            else:
+                width = min(shutil.get_terminal_size((80, 24)).columns, 120)
+                print(format_table(rows, width), flush=bool(watch))
+            if not watch:
+                return 0
+            time.sleep(watch)
+    except KeyboardInterrupt:
         if not watch:
-            return 0
-        time.sleep(watch)
+            raise
+        return 0  # Ctrl-C is how a watch ends

@@ -1,0 +1,208 @@
+"""What the ``pgcoord`` command tells an operator when something goes wrong.
+
+Every failure becomes one line on stderr that says what happened and what to do,
+and an exit code per kind of failure (see ``EXIT_CODES``), so scripts can tell
+"wrong DSN" from "schema not installed". The traceback is for ``--debug``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from ._errmap import _chain, sqlstate
+from .errors import SchemaMissing
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_CONNECT = 3
+EXIT_SCHEMA = 4
+EXIT_PRIVILEGE = 5
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command that SIGPIPE ended
+
+EXIT_CODES = (
+    (EXIT_OK, "done"),
+    (EXIT_ERROR, "an unexpected error (run again with --debug for the traceback)"),
+    (EXIT_USAGE, "usage: a bad option, no --dsn, or a --dsn that is not a PostgreSQL connection string"),
+    (EXIT_CONNECT, "cannot connect: refused, unknown host, no answer, login refused, no such database"),
+    (EXIT_SCHEMA, "pgcoord's schema is not installed, or is at a revision this pgcoord does not know"),
+    (EXIT_PRIVILEGE, "connected, but the role lacks a privilege the command needs"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+)
+
+# Seconds to wait for a server that does not answer, unless the DSN or
+# PGCONNECT_TIMEOUT says otherwise: libpq's own default is to wait for ever.
+CONNECT_TIMEOUT = 10
+
+
+@dataclass
+class CliError(Exception):
+    """A failure the command explains in one line and exits with ``code``."""
+
+    code: int
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# -- the DSN ----------------------------------------------------------------------------
+
+_DSN_EXAMPLE = "postgresql://user:password@host:5432/dbname"
+
+
+def check_dsn(dsn: str, *, url_only: bool = False) -> str:
+    """``dsn`` if it is a PostgreSQL connection string, else ``CliError(EXIT_USAGE)``.
+
+    Caught here rather than by the driver, whose messages for a malformed string
+    range from "missing =" to a bare ``int()`` error, or a refused connection.
+    """
+    scheme, sep, rest = dsn.partition("://")
+    if sep:
+        if scheme.split("+", 1)[0] not in ("postgresql", "postgres"):
+            raise CliError(EXIT_USAGE, f"--dsn is a {scheme}:// URL; expected {_DSN_EXAMPLE}")
+        netloc = rest.split("/", 1)[0].split("?", 1)[0].rpartition("@")[2]
+        for hostport in netloc.split(","):  # libpq allows host1:port1,host2:port2
+            match = re.fullmatch(r"(\[[^\]]*\]|[^:\[\]]*)(?::(.*))?", hostport)
+            port = match.group(2) if match else hostport
+            if port and not port.isdigit():
+                raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a number; "
+                                           f"expected {_DSN_EXAMPLE}")
+    elif url_only:
+        what = "key=value pairs (only status takes those)" if "=" in dsn else "not a URL"
+        raise CliError(EXIT_USAGE, f"--dsn is {what}; expected {_DSN_EXAMPLE}")
+    if sep and "+" in scheme and scheme.split("+", 1)[1] != "psycopg":
+        return dsn  # a SQLAlchemy URL for another driver: libpq cannot parse it
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return dsn
+    try:
+        params = conninfo_to_dict(libpq_dsn(dsn))
+    except Exception as exc:  # psycopg.ProgrammingError: libpq could not parse it
+        raise CliError(EXIT_USAGE, f"--dsn is not a PostgreSQL connection string ({one_line(exc)}); "
+                                   f"expected {_DSN_EXAMPLE}") from exc
+    for port in str(params.get("port", "")).split(","):
+        if port and not port.isdigit():
+            raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a number")
+    return dsn
+
+
+def libpq_dsn(dsn: str) -> str:
+    """``dsn`` without a SQLAlchemy driver suffix (``postgresql+psycopg://``), for libpq."""
+    scheme, sep, rest = dsn.partition("://")
+    return f"{scheme.split('+', 1)[0]}://{rest}" if sep and "+" in scheme else dsn
+
+
+def has_connect_timeout(dsn: str) -> bool:
+    """Whether the DSN or the environment already says how long to wait for a server."""
+    if os.environ.get("PGCONNECT_TIMEOUT"):
+        return True
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return "connect_timeout" in dsn
+    try:
+        return "connect_timeout" in conninfo_to_dict(libpq_dsn(dsn))
+    except Exception:
+        return False
+
+
+def with_connect_timeout(url: str) -> str:
+    """A libpq URL with ``connect_timeout`` added unless one is set (not for asyncpg URLs,
+    whose parser would send it to the server as a setting)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or "asyncpg" in scheme or has_connect_timeout(url):
+        return url
+    return f"{url}{'&' if '?' in url else '?'}connect_timeout={CONNECT_TIMEOUT}"
+
+
+def describe(dsn: str) -> str:
+    """Where ``dsn`` points, as ``user@host:port/dbname``, never with its password."""
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        params = {k: str(v) for k, v in conninfo_to_dict(libpq_dsn(dsn)).items()}
+    except Exception:
+        return "the database"
+    where = params.get("host", "") or "the local socket"
+    if params.get("port"):
+        where += f":{params['port']}"
+    if params.get("dbname"):
+        where += f"/{params['dbname']}"
+    if params.get("user"):
+        where = f"{params['user']}@{where}"
+    return where
+
+
+# -- explaining an exception ------------------------------------------------------------
+
+def one_line(exc: BaseException) -> str:
+    """The first line of a driver's message, without libpq's prefixes that repeat
+    what the rest of our line says already."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\([\w.]+\)\s*", "", text)  # SQLAlchemy's "(psycopg.OperationalError) "
+    text = re.sub(r"^(connection failed|connection is bad):\s*", "", text)
+    text = re.sub(r'^connection to server (at|on) .*? failed:\s*', "", text)
+    text = re.sub(r"^(FATAL|ERROR):\s*", "", text)
+    return text.rstrip(".")
+
+
+def _driver_error(exc: BaseException) -> BaseException:
+    """The driver's own exception under SQLAlchemy's wrapper, else ``exc``."""
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
+
+
+# SQLSTATEs that mean the session could not be had, with what to do about each.
+_CONNECT_HINTS = {
+    "28P01": "check the password (in --dsn, PGPASSWORD or ~/.pgpass)",
+    "28000": "check the user name in --dsn, and that pg_hba.conf lets it in",
+    "3D000": "check the database name in --dsn (or create the database)",
+    "53300": "the server has no free connection slot: try again, or raise max_connections",
+    "57P03": "the server is starting or stopping: try again in a moment",
+}
+_GENERIC_CONNECT_HINT = (
+    "check that PostgreSQL runs there and that --dsn has the right host, port, user, "
+    "password and database"
+)
+
+
+def _is_connect_failure(exc: BaseException, code: str | None) -> bool:
+    if code is not None:
+        return code[:2] in ("08", "28") or code in ("3D000", "53300", "57P01", "57P02", "57P03")
+    for e in _chain(exc):
+        if isinstance(e, OSError):  # refused, unknown host, reset, timed out
+            return True
+        psycopg = sys.modules.get("psycopg")  # never imported just to look
+        if psycopg is not None and isinstance(e, psycopg.OperationalError):
+            # psycopg reports a failed connect (refused, timed out, login refused)
+            # or a lost one without a SQLSTATE.
+            return True
+    return False
+
+
+def explain(exc: BaseException, dsn: str | None) -> CliError:
+    """The exit code and the one line for an exception a command raised."""
+    if isinstance(exc, CliError):
+        return exc
+    where = describe(dsn) if dsn else "the database"
+    if any(isinstance(e, SchemaMissing) for e in _chain(exc)):
+        return CliError(EXIT_SCHEMA, f"pgcoord's schema is not installed in {where}: "
+                                     f"install it with `pgcoord migrate --dsn ...`")
+    code = sqlstate(exc)
+    driver = _driver_error(exc)
+    if _is_connect_failure(exc, code):
+        hint = _CONNECT_HINTS.get(code or "", _GENERIC_CONNECT_HINT)
+        return CliError(EXIT_CONNECT, f"cannot connect to {where}: {one_line(driver)}; {hint}")
+    if code == "42501":
+        return CliError(EXIT_PRIVILEGE, f"permission denied in {where}: {one_line(driver)}; run it as "
+                                        f"a role with that privilege (migrate: the schema's owner)")
+    if type(exc).__name__ == "ServerNotFound":  # pgcoord demo without PostgreSQL installed
+        return CliError(EXIT_ERROR, str(exc))
+    return CliError(EXIT_ERROR, f"{type(driver).__name__}: {one_line(driver)} "
+                                f"(run again with --debug for the traceback)")
