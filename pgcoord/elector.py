@@ -29,18 +29,28 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._queries import query
-from .errors import SchemaMissing
-from .leases import trust_margin, validate_holder, validate_name, validate_ttl
+from .errors import PgcoordError, SchemaMissing
+from .leases import lock_timeout_setting, trust_margin, validate_holder, validate_name, validate_ttl
 
 __all__ = ["Elector"]
 
 log = logging.getLogger("pgcoord.elector")
 
 Lead = Callable[[int], Coroutine[Any, Any, Any]]
+
+# How long stepping down may take. A resign past its bound (the lease row is
+# locked by a fenced transaction, the server does not answer) is abandoned and
+# the session closed instead, which frees the doorbell and lets a follower take
+# the lease without waiting out the ttl. Also the release's server-side lock_timeout.
+RESIGN_TIMEOUT = CLEANUP_TIMEOUT
+
+# How long a cancelled lead() may take to finish before the elector resigns
+# without it. This replica then leads again only once that lead() has ended.
+LEAD_EXIT_TIMEOUT = CLEANUP_TIMEOUT
 
 
 class _SessionLost(Exception):
@@ -65,8 +75,12 @@ class Elector:
         self._source = DsnSource(dsn, driver, keepalive=self.ttl)
         self._doorbell_name = f"pgcoord.elector:{name}"
         self._doorbell = lock_key(self._doorbell_name)
-        self.is_leader = False
-        self.fence: int | None = None
+        self._leading = False
+        self._fence: int | None = None
+        self._trust_until = 0.0
+        # A lead() that outlived its cancellation: no new term until it ends.
+        self._straggler: asyncio.Task[Any] | None = None
+        self._closing: set[asyncio.Future[Any]] = set()
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
         self._conn: HolderConnection | None = None
@@ -79,6 +93,19 @@ class Elector:
     @property
     def _ttl_ms(self) -> int:
         return int(self.ttl * 1000)
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this replica leads: it won the lease, its session is alive and
+        its trust window is open. Read on the monotonic clock at each access, so after
+        a pause past the window it reads False at once, before the loop has run."""
+        return (self._leading and time.monotonic() < self._trust_until
+                and not (self._lost is not None and self._lost.is_set()))
+
+    @property
+    def fence(self) -> int | None:
+        """The fence of the current term while ``is_leader``, else None."""
+        return self._fence if self.is_leader else None
 
     @property
     def _idle_ms(self) -> int:
@@ -119,6 +146,19 @@ class Elector:
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close_now()
+
+    def _abandon_session(self) -> None:
+        """For a cleanup abandoned at its bound: never blocks. The session counts as
+        lost from now on, and is closed in a task of its own (closing it releases
+        the doorbell, and the lease row's session is then gone)."""
+        if self._lost is not None:
+            self._lost.set()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            closing = asyncio.ensure_future(conn.close_now())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            closing.add_done_callback(consume_result)
 
     async def _call(self, sql: str, *args: Any) -> Any:
         """A statement on the elector's session; ``_SessionLost`` when the session is gone."""
@@ -194,7 +234,7 @@ class Elector:
         window = self.ttl if self.polling else self._idle_ms / 1000
         trust_until = sent + window - trust_margin(window)
         last_renewal, next_renewal = sent, sent + self.ttl / 3
-        self.is_leader, self.fence = True, fence
+        self._trust_until, self._fence, self._leading = trust_until, fence, True
         duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
         metrics.leadership(self.name, True, fence)
         log.info("elector %r: %s leads with fence %d", self.name, self.holder, fence)
@@ -241,16 +281,19 @@ class Elector:
                                 attempt_sent - last_renewal)
                 last_renewal = attempt_sent
                 trust_until = attempt_sent + window - trust_margin(window)
+                self._trust_until = trust_until
                 next_renewal = attempt_sent + self.ttl / 3
         finally:
             # Step down first, then clean up: nobody may think we lead from here on.
-            self.is_leader, self.fence = False, None
+            self._leading, self._fence = False, None
             metrics.leadership(self.name, False, None)
             lost_waiter.cancel()
             duty.cancel()
-            await finish_despite_cancel(self._finish_duty(duty))
-            await finish_despite_cancel(self._resign(fence, rang))
-        if not duty.cancelled() and duty.exception() is None:
+            try:
+                await self._end_duty(duty)
+            finally:
+                await self._resign_bounded(fence, rang)
+        if duty.done() and not duty.cancelled() and duty.exception() is None:
             log.info("elector %r: lead() returned; resigned, campaigning again", self.name)
         else:
             log.warning("elector %r: stepped down (fence %d): %s", self.name, fence, reason)
@@ -263,14 +306,34 @@ class Elector:
             except Exception:
                 log.exception("elector %r: lead() raised", self.name)
 
-    async def _resign(self, fence: int, rang: bool) -> None:
-        """Release the row first, then the doorbell, so a woken follower finds it free."""
+    async def _end_duty(self, duty: asyncio.Task[Any]) -> None:
         try:
-            async with asyncio.timeout(CLEANUP_TIMEOUT):
-                await self._call(query("lease_release"), self.name, self.holder, fence)
-                if rang:
-                    await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
-                                     self._doorbell)
+            await finish_despite_cancel(self._finish_duty(duty), bound=LEAD_EXIT_TIMEOUT)
+        except CleanupTimeout:
+            log.error("elector %r: lead() did not finish within %.1f s of its cancellation; "
+                      "resigning without it (its fence is stale; this replica leads again only "
+                      "after it ends)", self.name, LEAD_EXIT_TIMEOUT)
+            self._straggler = duty
+
+    async def _resign_bounded(self, fence: int, rang: bool) -> None:
+        bound = RESIGN_TIMEOUT
+        try:
+            await finish_despite_cancel(self._resign(fence, rang, bound), bound=bound,
+                                        on_timeout=self._abandon_session)
+        except CleanupTimeout:
+            log.warning("elector %r: resigning (fence %d) did not finish within %.1f s; closed "
+                        "the session instead: a follower may take the lease over as soon as "
+                        "the row is free", self.name, fence, bound)
+
+    async def _resign(self, fence: int, rang: bool, bound: float) -> None:
+        """Release the row first, then the doorbell, so a woken follower finds it free."""
+        # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
+        try:
+            await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
+                             lock_timeout_setting(bound))
+            if rang:
+                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
+                                 self._doorbell)
         except Exception as exc:
             # Closing the session releases the doorbell; the row's session is then
             # gone, so a follower may take over without waiting out the ttl.
@@ -288,7 +351,12 @@ class Elector:
         backoff = 0.0
         try:
             while True:
+                # Whatever fails here (a lost session, a server restart or outage, a
+                # cleanup abandoned at its bound) is met by backing off and
+                # campaigning again; only stop(), cancellation or a missing schema
+                # end run().
                 try:
+                    await self._await_straggler()
                     if self._conn is None or (self._lost is not None and self._lost.is_set()):
                         await self._drop_session()
                         await self._connect()
@@ -298,7 +366,7 @@ class Elector:
                     await asyncio.sleep(self.ttl / 3 * random.uniform(0.5, 1.0))
                 except SchemaMissing:
                     raise
-                except (_SessionLost, OSError, Exception) as exc:
+                except Exception as exc:
                     backoff = min(max(backoff * 2, 0.05), self.ttl / 3)
                     log.warning("elector %r: %r; campaigning again in %.2fs", self.name, exc, backoff)
                     await self._drop_session()
@@ -308,9 +376,18 @@ class Elector:
                 raise
             absorb_cancel()
         finally:
-            await finish_despite_cancel(self._drop_session())
+            with contextlib.suppress(CleanupTimeout):
+                await finish_despite_cancel(self._drop_session())
             self._run_task = None
             self._stopped.set()
+
+    async def _await_straggler(self) -> None:
+        duty = self._straggler
+        while duty is not None and not duty.done():
+            log.warning("elector %r: the previous lead() has not finished; not campaigning "
+                        "until it does", self.name)
+            await asyncio.wait({duty}, timeout=self.ttl)
+        self._straggler = None
 
     async def stop(self) -> None:
         """Resign if leading (followers take over within milliseconds) and end ``run()``."""
@@ -323,13 +400,18 @@ class Elector:
 
     async def leader(self) -> str | None:
         """The current leader's holder name, or None (asked on a short connection of its own)."""
-        conn = await self._source.open()
         try:
-            with _errmap.schema_missing_raised():
-                await conn.prepare()
-                return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
-        finally:
-            await conn.give_back()
+            conn = await self._source.open()
+            try:
+                with _errmap.schema_missing_raised():
+                    await conn.prepare()
+                    return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
+            finally:
+                await conn.give_back()
+        except PgcoordError:
+            raise
+        except Exception as exc:
+            raise PgcoordError(f"elector {self.name!r}: could not ask who leads: {exc!r}") from exc
 
 
 
