@@ -37,7 +37,7 @@ import os
 import random
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,7 +48,7 @@ from ._listen import listen
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing
 
-__all__ = ["Member", "MemberInfo", "MemberJoined", "MemberLeft"]
+__all__ = ["Member", "MemberInfo", "MemberJoined", "MemberLeft", "MemberWatch"]
 
 log = logging.getLogger("pgcoord.member")
 
@@ -121,6 +121,10 @@ def _info(row: dict[str, Any]) -> MemberInfo:
     )
 
 
+def _as_reason(reason: str) -> Literal["left", "crashed", "silent"]:
+    return "left" if reason == "left" else "silent" if reason == "silent" else "crashed"
+
+
 class _SessionLost(Exception):
     pass
 
@@ -146,7 +150,9 @@ class Member:
         self._watcher: HolderConnection | None = None
         self._main_io = asyncio.Lock()
         self._view: dict[int, MemberInfo] = {}
-        self._reasons: dict[int, str] = {}
+        #: Ids of every live member of every group, in ring order.
+        self._ring: list[int] = []
+        self._left_hooks: list[Callable[[int], None]] = []
         self._subscribers: set[asyncio.Queue[MemberChange]] = set()
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
@@ -322,11 +328,13 @@ class Member:
                     if part.done() and not part.cancelled() and part.exception() is not None:
                         log.warning("member %r: %r", self.name, part.exception())
                 log.warning("member %r (id %s): session lost; joining again", self.name, self.id)
-            except SchemaMissing:
-                raise
-            except (OSError, Exception) as exc:
+            except Exception as exc:
+                # Never give up in the background: open() already raised for a
+                # schema that was missing at the start; one that goes missing
+                # later (a restore, a downgrade) is logged loudly and retried.
                 backoff = min(max(backoff * 2, 0.05), self.ttl / 3)
-                log.warning("member %r: %r; joining again in %.2fs", self.name, exc, backoff)
+                level = logging.ERROR if isinstance(exc, SchemaMissing) else logging.WARNING
+                log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, backoff)
             own_id = self.id
             await self._stop_tasks()
             await finish_despite_cancel(self._drop_sessions())
@@ -360,32 +368,47 @@ class Member:
     def _on_notify(self, payload: str) -> None:
         try:
             news = json.loads(payload)
-        except ValueError:
-            return
-        if news.get("group") != self.group:
+            member_id = int(news["id"])
+        except (ValueError, KeyError, TypeError):
             return
         if news.get("ev") == "left":
-            self._reasons[int(news["id"])] = str(news.get("reason") or "crashed")
             # A departure needs no query: apply it now, for the watcher too.
-            gone = self._view.pop(int(news["id"]), None)
-            if gone is not None:
-                self._emit(MemberLeft(gone, self._reason(gone.id)))
-                self._retarget()
+            self._forget(member_id, str(news.get("reason") or "crashed"))
         else:
             self._news.set()
 
-    def _reason(self, member_id: int) -> Literal["left", "crashed", "silent"]:
-        reason = self._reasons.pop(member_id, "crashed")
-        return reason if reason in ("left", "silent") else "crashed"  # type: ignore[return-value]
+    def _forget(self, member_id: int, reason: str) -> None:
+        """Member ``member_id`` (of any group) is gone: tell who needs to know."""
+        if member_id in self._ring:
+            self._ring.remove(member_id)
+        for hook in list(self._left_hooks):
+            hook(member_id)
+        gone = self._view.pop(member_id, None)
+        if gone is not None:
+            self._emit(MemberLeft(gone, _as_reason(reason)))
+        self._retarget()
+
+    def on_member_left(self, hook: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``hook(member_id)`` whenever any member of any group is known gone
+        (for features tied to members: electors, leases, job claims). Returns a
+        function that removes the hook."""
+        self._left_hooks.append(hook)
+        return lambda: self._left_hooks.remove(hook) if hook in self._left_hooks else None
 
     async def _refresh(self, *, initial: bool = False) -> None:
-        rows = json.loads(await self._call(query("member_peers"), self.group))
-        fresh = {info.id: info for info in map(_info, rows)}
+        state = json.loads(await self._call(query("member_state"), self.group))
+        fresh = {info.id: info for info in map(_info, state["peers"])}
+        ring = [int(i) for i in state["ring"]]
+        for member_id in set(self._ring) - set(ring):
+            for hook in list(self._left_hooks):
+                hook(member_id)
+        self._ring = ring
         old, self._view = self._view, fresh
         if not initial or old:
             for member_id, info in old.items():
                 if member_id not in fresh:
-                    self._emit(MemberLeft(info, self._reason(member_id)))
+                    # Gone without news reaching us (our session was away).
+                    self._emit(MemberLeft(info, "crashed"))
         for member_id, info in fresh.items():
             if member_id not in old and member_id != self.id:
                 self._emit(MemberJoined(info))
@@ -396,7 +419,7 @@ class Member:
             queue.put_nowait(change)
 
     def _successor(self) -> int | None:
-        others = sorted(i for i in self._view if i != self.id)
+        others = [i for i in self._ring if i != self.id]
         if not others or self.id is None:
             return None
         return next((i for i in others if i > self.id), others[0])
@@ -437,13 +460,11 @@ class Member:
             self._target = None
             # Granted: the target's session is gone. Tell everyone, then let go.
             reason = await self._call(query("member_reap"), target)
-            # Tell our own subscribers now rather than when our NOTIFY comes back,
-            # and move on past the dead member at once. No reason: it said
-            # goodbye, and that news is still on its way to us.
-            gone = self._view.pop(target, None)
-            if gone is not None:
-                self._reasons.pop(target, None)
-                self._emit(MemberLeft(gone, reason or "left"))
+            # Tell our own side now rather than when our NOTIFY comes back, and
+            # move on past the dead member at once. No reason: it said goodbye,
+            # and that news is still on its way to us.
+            if target in self._ring:
+                self._forget(target, reason or "left")
             await self._unwatch(watcher, target)
 
     async def _unwatch(self, watcher: HolderConnection, target: int) -> None:
@@ -464,25 +485,41 @@ class Member:
         if not self._open:
             raise RuntimeError("Member is not open: use `async with Member(...)`")
         await self._joined.wait()
-        rows = json.loads(await self._call(query("member_peers"), self.group))
-        return [_info(row) for row in rows]
+        state = json.loads(await self._call(query("member_state"), self.group))
+        return [_info(row) for row in state["peers"]]
 
-    async def watch(self) -> AsyncIterator[MemberChange]:
-        """Membership changes from now on: ``MemberJoined`` and ``MemberLeft``.
+    def watch(self) -> MemberWatch:
+        """Membership changes from this call on: ``MemberJoined`` and ``MemberLeft``.
 
-        Ends when the member is closed. A lost session of our own is reported as
-        every peer leaving (``crashed``), then joining again once we rejoin.
+        Subscribes at once (not at the first ``__anext__``), so nothing that
+        happens between this call and the first read is missed. Ends when the
+        member is closed. A lost session of our own is reported as every peer
+        leaving (``crashed``), then joining again once we have rejoined.
         """
-        queue: asyncio.Queue[MemberChange] = asyncio.Queue()
-        self._subscribers.add(queue)
-        try:
-            while True:
-                change = await queue.get()
-                if change is _END:
-                    return
-                yield change
-        finally:
-            self._subscribers.discard(queue)
+        return MemberWatch(self._subscribers)
+
+
+class MemberWatch:
+    """An async iterator of membership changes; see ``Member.watch``."""
+
+    def __init__(self, subscribers: set[asyncio.Queue[MemberChange]]) -> None:
+        self._queue: asyncio.Queue[MemberChange] = asyncio.Queue()
+        self._subscribers = subscribers
+        subscribers.add(self._queue)
+
+    def __aiter__(self) -> MemberWatch:
+        return self
+
+    async def __anext__(self) -> MemberChange:
+        change = await self._queue.get()
+        if change is _END:
+            self.close()
+            raise StopAsyncIteration
+        return change
+
+    def close(self) -> None:
+        """Stop receiving changes."""
+        self._subscribers.discard(self._queue)
 
 
 _END: Any = object()

@@ -114,6 +114,9 @@ CREATE FUNCTION pgcoord.member_join(grp text, member_name text, member_meta json
         IF session THEN
             PERFORM pg_catalog.pg_advisory_lock(pgcoord.member_alive_ns(), new_id);
         END IF;
+        -- An id is reused only after the sequence wraps, or after a crash lost
+        -- its last values: any row that has it belongs to a dead member.
+        PERFORM pgcoord.member_reap(new_id);
         BEGIN
             INSERT INTO pgcoord.member_sessions AS m
                 (id, "group", name, meta, pid, application_name, ttl_ms, has_session)
@@ -143,6 +146,9 @@ CREATE FUNCTION pgcoord.member_leave(member_id integer) RETURNS boolean
             RETURN false;
         END IF;
         PERFORM pgcoord.member_notify('left', grp, member_id, 'left');
+        -- Let go of the alive lock now, rather than when the server notices the
+        -- closed socket: a watcher is granted it after this transaction's NOTIFY.
+        PERFORM pg_catalog.pg_advisory_unlock(pgcoord.member_alive_ns(), member_id);
         RETURN true;
     END
     $body$;

@@ -25,14 +25,20 @@ SELECT pgcoord.member_reap($1)
 -- name: member_heartbeat
 SELECT pgcoord.member_heartbeat($1)
 
--- name: member_peers
--- Live members of a group, as JSON so that every driver returns the same shape.
-SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_object(
-           'id', m.id, 'name', m.name, 'group', m."group", 'meta', m.meta,
-           'joined_at', pg_catalog.to_char(m.joined_at AT TIME ZONE 'UTC',
-                                           'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
-       ORDER BY m.id)::text, '[]')
-FROM pgcoord.members AS m WHERE m."group" = $1
+-- name: member_state
+-- Every live member's id (the watcher ring spans all groups, so that every
+-- death is seen by someone), and the live members of group $1; as JSON so that
+-- every driver returns the same shape.
+WITH live AS MATERIALIZED (SELECT * FROM pgcoord.members)
+SELECT pg_catalog.json_build_object(
+    'ring', coalesce((SELECT pg_catalog.json_agg(l.id ORDER BY l.id) FROM live AS l), '[]'),
+    'peers', coalesce((
+        SELECT pg_catalog.json_agg(pg_catalog.json_build_object(
+                   'id', m.id, 'name', m.name, 'group', m."group", 'meta', m.meta,
+                   'joined_at', pg_catalog.to_char(m.joined_at AT TIME ZONE 'UTC',
+                                                   'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
+               ORDER BY m.id)
+        FROM live AS m WHERE m."group" = $1), '[]'))::text
 
 -- name: member_wait_alive
 -- Blocks until member $1's session is gone (its alive lock is released), then

@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 import pgcoord
+import pgcoord.migrations
 from pgcoord.member import NameTaken
 
 from .conftest import sql
@@ -271,3 +272,65 @@ def test_a_death_whose_watcher_is_paused_is_still_told(fleet_factory: object, ds
             assert seen[1] - killed_at < ttl, (o, seen[1] - killed_at)
     finally:
         fleet.procs[watcher].send_signal(signal.SIGCONT)
+
+
+async def test_the_ring_spans_groups_so_a_lone_member_s_death_is_still_told(dsn: str) -> None:
+    # x is alone in its group: only a member of another group can watch it.
+    async with (
+        pgcoord.Member(dsn, group=group(), name="y", ttl=30) as y,
+        pgcoord.Member(dsn, group=group(), name="x", ttl=30) as x,
+    ):
+        heard: asyncio.Queue[int] = asyncio.Queue()
+        y.on_member_left(heard.put_nowait)
+        old_x = x.id
+        assert x._main is not None
+        sql(dsn, "select pg_terminate_backend(%s)", x._main.backend_pid)
+        assert await asyncio.wait_for(heard.get(), 3.0) == old_x
+        assert sql(dsn, "select count(*) from pgcoord.member_sessions where id = %s", old_x) == [(0,)]
+
+
+@pytest.fixture
+def own_server() -> Iterator[object]:
+    from pgcoord._embedded import EmbeddedServer
+
+    with EmbeddedServer() as server:
+        pgcoord.migrations.upgrade(server.dsn)
+        # The test server runs with synchronous_commit off: make the schema
+        # durable before the test crashes the server.
+        sql(server.dsn, "checkpoint")
+        yield server
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_after_a_server_restart_every_member_joins_again(own_server: object, driver: str) -> None:
+    server_dsn: str = own_server.dsn  # type: ignore[attr-defined]
+    g = group()
+    members = [pgcoord.Member(server_dsn, group=g, name=f"m{i}", ttl=3, driver=driver) for i in range(3)]
+    for m in members:
+        await m.open()
+    try:
+        changes = members[0].watch()
+        await asyncio.to_thread(own_server.restart)  # type: ignore[attr-defined]
+        departed: set[str] = set()
+        rejoined: set[str] = set()
+        seen: list[object] = []
+        async with asyncio.timeout(20):
+            while rejoined != {"m1", "m2"} or departed != {"m1", "m2"}:
+                change = await changes.__anext__()
+                seen.append(change)
+                if isinstance(change, pgcoord.MemberLeft):
+                    departed.add(change.member.name)
+                else:
+                    rejoined.add(change.member.name)
+        async with asyncio.timeout(20):
+            while True:
+                peers = await members[1].peers()
+                if sorted(p.name for p in peers) == ["m0", "m1", "m2"]:
+                    break
+                await asyncio.sleep(0.1)
+        assert len(member_locks(server_dsn)) == 3, seen
+    finally:
+        for m in members:
+            await m.close()
+    assert member_locks(server_dsn) == []
