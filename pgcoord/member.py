@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from . import _errmap
 from ._aio import consume_result, finish_despite_cancel
-from ._holderconn import DsnSource, HolderConnection
+from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._listen import listen
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing
@@ -158,6 +158,8 @@ class Member:
         self._lost = asyncio.Event()
         self._joined = asyncio.Event()
         self._target: int | None = None
+        #: True behind a transaction-mode pooler: heartbeat rows, no session.
+        self.polling: bool | None = None
         self._watch_changed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._runner: asyncio.Task[None] | None = None
@@ -239,36 +241,50 @@ class Member:
         return int(self.ttl * 900)
 
     async def _open_session(self, role: str) -> HolderConnection:
+        """A session of ours, set up unless it turns out to be behind a
+        transaction-mode pooler (where session settings would leak to other
+        clients of the same server session); ``self.polling`` says which."""
         conn = await self._source.open()
         try:
             await conn.prepare()
-            idle = str(max(1, int(self.ttl / 2)))
-            conn.backend_pid = int(await conn.fetchval(
-                query("holder_setup"), f"{self.application_name}"[: 63 - len(role)] + role,
-                idle, idle, str(int(self.ttl * 1000)),
-            ))
-            setup = "member_session" if role == "" else "member_watcher_session"
-            await conn.execute(query(setup).format(idle_ms=self._idle_ms))
+            conn.backend_pid = int(await conn.fetchval(query("holder_backend_pid")))
+            if role == "":
+                self.polling = await behind_transaction_pooler(self._source, conn)
+            if not self.polling:
+                idle = str(max(1, int(self.ttl / 2)))
+                await conn.fetchval(
+                    query("holder_setup"), f"{self.application_name}"[: 63 - len(role)] + role,
+                    idle, idle, str(int(self.ttl * 1000)),
+                )
+                setup = "member_session" if role == "" else "member_watcher_session"
+                await conn.execute(query(setup).format(idle_ms=self._idle_ms))
         except BaseException:
             await finish_despite_cancel(conn.close_now())
             raise
         return conn
 
     async def _join(self) -> None:
-        """Open both sessions, LISTEN, join, and load the view."""
+        """Open the sessions, LISTEN, join, and load the view. Behind a
+        transaction-mode pooler: one connection, no alive lock, no LISTEN."""
         lost = asyncio.Event()
         main = await self._open_session("")
         self._main = main
         main.on_lost(lost.set)
         try:
-            await listen(main, CHANNEL, self._on_notify)
+            if self.polling:
+                log.warning(
+                    "member %r: a transaction-mode pooler is in between; membership falls back "
+                    "to heartbeat rows: departures are told within ttl + ttl/3, not at once",
+                    self.name)
+            else:
+                await listen(main, CHANNEL, self._on_notify)
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
                         "SELECT pg_catalog.row_to_json(j)::text FROM ("
                         + query("member_join") + ") AS j",
                         self.group, self.name, self._meta_json, int(self.ttl * 1000),
-                        self.application_name, True,
+                        self.application_name, not self.polling,
                     )
                 except Exception as exc:
                     if _errmap.sqlstate(exc) == _SQLSTATE_NAME_TAKEN:
@@ -279,9 +295,10 @@ class Member:
             joined = json.loads(row)
             self.id = int(joined["id"])
             self.joined_at = dt.datetime.fromisoformat(joined["joined_at"])
-            watcher = await self._open_session("/watch")
-            self._watcher = watcher
-            watcher.on_lost(lost.set)
+            if not self.polling:
+                watcher = await self._open_session("/watch")
+                self._watcher = watcher
+                watcher.on_lost(lost.set)
         except BaseException:
             await finish_despite_cancel(self._drop_sessions())
             raise
@@ -314,11 +331,12 @@ class Member:
                 if self._main is None:
                     await self._join()
                     backoff = 0.0
-                parts = [
-                    self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}"),
-                    self._spawn(self._watch_loop(), f"pgcoord-member-watch:{self.name}"),
-                    self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
-                ]
+                parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
+                if not self.polling:
+                    parts += [
+                        self._spawn(self._watch_loop(), f"pgcoord-member-watch:{self.name}"),
+                        self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
+                    ]
                 lost_wait = asyncio.ensure_future(self._lost.wait())
                 try:
                     await asyncio.wait([lost_wait, *parts], return_when=asyncio.FIRST_COMPLETED)
@@ -358,6 +376,8 @@ class Member:
                 # Declared dead (our lock was not seen): a new incarnation joins.
                 self._lost.set()
                 return
+            if self.polling:
+                await self._refresh()  # no NOTIFY behind a pooler: look
 
     async def _news_loop(self) -> None:
         while True:
@@ -399,6 +419,7 @@ class Member:
         state = json.loads(await self._call(query("member_state"), self.group))
         fresh = {info.id: info for info in map(_info, state["peers"])}
         ring = [int(i) for i in state["ring"]]
+        gone: dict[str, str] = state["gone"]
         for member_id in set(self._ring) - set(ring):
             for hook in list(self._left_hooks):
                 hook(member_id)
@@ -407,8 +428,9 @@ class Member:
         if not initial or old:
             for member_id, info in old.items():
                 if member_id not in fresh:
-                    # Gone without news reaching us (our session was away).
-                    self._emit(MemberLeft(info, "crashed"))
+                    # Gone without news reaching us (we poll, or our session was
+                    # away): the tombstone says why, for a minute.
+                    self._emit(MemberLeft(info, _as_reason(gone.get(str(member_id), "crashed"))))
         for member_id, info in fresh.items():
             if member_id not in old and member_id != self.id:
                 self._emit(MemberJoined(info))

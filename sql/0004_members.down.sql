@@ -4,6 +4,7 @@ DROP FUNCTION pgcoord.member_reap(integer);
 DROP FUNCTION pgcoord.member_leave(integer);
 DROP FUNCTION pgcoord.member_join(text, text, jsonb, integer, text, boolean);
 DROP FUNCTION pgcoord.member_reap_group(text);
+DROP FUNCTION pgcoord.member_mark_gone(integer, text);
 DROP FUNCTION pgcoord.member_notify(text, text, integer, text);
 DROP FUNCTION pgcoord.member_left_reason(timestamptz, integer);
 DROP VIEW pgcoord.members;

@@ -21,8 +21,15 @@ CREATE TABLE pgcoord.member_sessions (
     ttl_ms           integer NOT NULL,
     -- false behind a transaction-mode pooler: no alive lock, liveness by heartbeat.
     has_session      boolean NOT NULL DEFAULT true,
-    UNIQUE ("group", name)
+    -- Set when the member is known gone; the row stays a while as a tombstone so
+    -- that members polling behind a pooler (no NOTIFY) learn why it left.
+    left_at          timestamptz,
+    left_reason      text CHECK (left_reason IN ('left', 'crashed', 'silent'))
 );
+
+-- Names are unique among live members only.
+CREATE UNIQUE INDEX member_sessions_live_name ON pgcoord.member_sessions ("group", name)
+    WHERE left_at IS NULL;
 
 COMMENT ON TABLE pgcoord.member_sessions IS
     'pgcoord members: bookkeeping rows; pgcoord.members shows the live ones.';
@@ -53,7 +60,8 @@ WITH alive AS MATERIALIZED (SELECT * FROM pgcoord.member_sessions_alive())
 SELECT m.id, m."group", m.name, m.meta, m.pid, m.application_name, m.joined_at,
        m.heartbeat_at, m.has_session
 FROM pgcoord.member_sessions AS m
-WHERE CASE WHEN m.has_session
+WHERE m.left_at IS NULL
+  AND CASE WHEN m.has_session
            THEN EXISTS (SELECT 1 FROM alive AS a WHERE a.id = m.id AND a.pid = m.pid)
            ELSE m.heartbeat_at + m.ttl_ms * interval '1 millisecond' > pg_catalog.clock_timestamp()
       END;
@@ -78,23 +86,48 @@ CREATE FUNCTION pgcoord.member_notify(ev text, grp text, member_id integer, reas
                                          'reason', reason)::text)
     $body$;
 
--- Delete the rows of dead members of a group (and announce each). Returns how many.
+-- Mark member_id gone (once) and announce it; the reason, or NULL if it was
+-- already marked.
+CREATE FUNCTION pgcoord.member_mark_gone(member_id integer, reason text) RETURNS text
+    LANGUAGE plpgsql
+    AS $body$
+    DECLARE
+        grp text;
+        why text;
+    BEGIN
+        UPDATE pgcoord.member_sessions AS m
+        SET left_at = pg_catalog.clock_timestamp(),
+            left_reason = coalesce(reason, pgcoord.member_left_reason(m.heartbeat_at, m.ttl_ms))
+        WHERE m.id = member_id AND m.left_at IS NULL
+        RETURNING m."group", m.left_reason INTO grp, why;
+        IF grp IS NULL THEN
+            RETURN NULL;
+        END IF;
+        PERFORM pgcoord.member_notify('left', grp, member_id, why);
+        RETURN why;
+    END
+    $body$;
+
+-- Mark the dead members of a group gone (and announce each), and forget
+-- tombstones older than a minute. Returns how many were found dead.
 CREATE FUNCTION pgcoord.member_reap_group(grp text) RETURNS integer
     LANGUAGE plpgsql
     AS $body$
     DECLARE
-        gone record;
+        dead integer;
         n integer := 0;
     BEGIN
-        FOR gone IN
-            DELETE FROM pgcoord.member_sessions AS m
-            WHERE m."group" = grp
+        FOR dead IN
+            SELECT m.id FROM pgcoord.member_sessions AS m
+            WHERE m."group" = grp AND m.left_at IS NULL
               AND m.id NOT IN (SELECT v.id FROM pgcoord.members AS v WHERE v."group" = grp)
-            RETURNING m.id, pgcoord.member_left_reason(m.heartbeat_at, m.ttl_ms) AS reason
         LOOP
-            PERFORM pgcoord.member_notify('left', grp, gone.id, gone.reason);
-            n := n + 1;
+            IF pgcoord.member_mark_gone(dead, NULL) IS NOT NULL THEN
+                n := n + 1;
+            END IF;
         END LOOP;
+        DELETE FROM pgcoord.member_sessions AS m
+        WHERE m."group" = grp AND m.left_at < pg_catalog.clock_timestamp() - interval '1 minute';
         RETURN n;
     END
     $body$;
@@ -116,7 +149,8 @@ CREATE FUNCTION pgcoord.member_join(grp text, member_name text, member_meta json
         END IF;
         -- An id is reused only after the sequence wraps, or after a crash lost
         -- its last values: any row that has it belongs to a dead member.
-        PERFORM pgcoord.member_reap(new_id);
+        PERFORM pgcoord.member_mark_gone(new_id, NULL);
+        DELETE FROM pgcoord.member_sessions AS m WHERE m.id = new_id;
         BEGIN
             INSERT INTO pgcoord.member_sessions AS m
                 (id, "group", name, meta, pid, application_name, ttl_ms, has_session)
@@ -134,44 +168,24 @@ CREATE FUNCTION pgcoord.member_join(grp text, member_name text, member_meta json
     END
     $body$;
 
--- Leave: the row goes first and is announced, then the caller drops its lock.
+-- Leave: the row is marked and announced, then the alive lock let go at once
+-- rather than when the server notices the closed socket.
 CREATE FUNCTION pgcoord.member_leave(member_id integer) RETURNS boolean
     LANGUAGE plpgsql
     AS $body$
-    DECLARE
-        grp text;
     BEGIN
-        DELETE FROM pgcoord.member_sessions WHERE id = member_id RETURNING "group" INTO grp;
-        IF grp IS NULL THEN
-            RETURN false;
-        END IF;
-        PERFORM pgcoord.member_notify('left', grp, member_id, 'left');
-        -- Let go of the alive lock now, rather than when the server notices the
-        -- closed socket: a watcher is granted it after this transaction's NOTIFY.
+        PERFORM pgcoord.member_mark_gone(member_id, 'left');
         PERFORM pg_catalog.pg_advisory_unlock(pgcoord.member_alive_ns(), member_id);
         RETURN true;
     END
     $body$;
 
--- A watcher that was granted member_id's alive lock knows it is dead: remove
--- and announce it, once. Returns why it left, or NULL when its row was already
--- gone (it said goodbye, or another member told its death first).
+-- A watcher that was granted member_id's alive lock knows it is dead: mark and
+-- announce it, once. Returns why it left, or NULL when it was already marked
+-- (it said goodbye, or another member told its death first).
 CREATE FUNCTION pgcoord.member_reap(member_id integer) RETURNS text
-    LANGUAGE plpgsql
-    AS $body$
-    DECLARE
-        grp text;
-        why text;
-    BEGIN
-        DELETE FROM pgcoord.member_sessions AS m WHERE m.id = member_id
-        RETURNING m."group", pgcoord.member_left_reason(m.heartbeat_at, m.ttl_ms) INTO grp, why;
-        IF grp IS NULL THEN
-            RETURN NULL;
-        END IF;
-        PERFORM pgcoord.member_notify('left', grp, member_id, why);
-        RETURN why;
-    END
-    $body$;
+    LANGUAGE sql
+    RETURN pgcoord.member_mark_gone(member_id, NULL);
 
 -- A live member's heartbeat: keeps its session from idle_session_timeout, keeps
 -- a sessionless member alive, and sweeps its group for members nobody woke for
@@ -184,7 +198,7 @@ CREATE FUNCTION pgcoord.member_heartbeat(member_id integer) RETURNS boolean
         grp text;
     BEGIN
         UPDATE pgcoord.member_sessions SET heartbeat_at = pg_catalog.clock_timestamp()
-        WHERE id = member_id RETURNING "group" INTO grp;
+        WHERE id = member_id AND left_at IS NULL RETURNING "group" INTO grp;
         IF grp IS NULL THEN
             RETURN false;
         END IF;

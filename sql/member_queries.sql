@@ -27,9 +27,11 @@ SELECT pgcoord.member_heartbeat($1)
 
 -- name: member_state
 -- Every live member's id (the watcher ring spans all groups, so that every
--- death is seen by someone), and the live members of group $1; as JSON so that
--- every driver returns the same shape.
-WITH live AS MATERIALIZED (SELECT * FROM pgcoord.members)
+-- death is seen by someone), the live members of group $1, and why its recent
+-- departures left (for members that poll); as JSON so that every driver
+-- returns the same shape.
+WITH live AS MATERIALIZED (SELECT * FROM pgcoord.members),
+     grp AS (SELECT $1::text AS name)
 SELECT pg_catalog.json_build_object(
     'ring', coalesce((SELECT pg_catalog.json_agg(l.id ORDER BY l.id) FROM live AS l), '[]'),
     'peers', coalesce((
@@ -38,7 +40,11 @@ SELECT pg_catalog.json_build_object(
                    'joined_at', pg_catalog.to_char(m.joined_at AT TIME ZONE 'UTC',
                                                    'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
                ORDER BY m.id)
-        FROM live AS m WHERE m."group" = $1), '[]'))::text
+        FROM live AS m, grp WHERE m."group" = grp.name), '[]'),
+    'gone', coalesce((
+        SELECT pg_catalog.json_object_agg(g.id, g.left_reason)
+        FROM pgcoord.member_sessions AS g, grp
+        WHERE g."group" = grp.name AND g.left_at IS NOT NULL), '{}'))::text
 
 -- name: member_wait_alive
 -- Blocks until member $1's session is gone (its alive lock is released), then

@@ -70,7 +70,10 @@ async def test_members_see_each_other_join_and_leave(dsn: str, driver: str) -> N
         assert isinstance(left, pgcoord.MemberLeft)
         assert (left.member.name, left.reason) == ("b", "left")
         assert [p.name for p in await a.peers()] == ["a"]
-    assert sql(dsn, 'select count(*) from pgcoord.member_sessions where "group" = %s', g) == [(0,)]
+    # Tombstones say why each left (for members that poll behind a pooler).
+    assert sql(dsn, 'select name, left_reason from pgcoord.member_sessions where "group" = %s'
+                    ' order by name', g) == [("a", "left"), ("b", "left")]
+    assert sql(dsn, 'select count(*) from pgcoord.members where "group" = %s', g) == [(0,)]
     assert member_locks(dsn) == []
 
 
@@ -286,7 +289,8 @@ async def test_the_ring_spans_groups_so_a_lone_member_s_death_is_still_told(dsn:
         assert x._main is not None
         sql(dsn, "select pg_terminate_backend(%s)", x._main.backend_pid)
         assert await asyncio.wait_for(heard.get(), 3.0) == old_x
-        assert sql(dsn, "select count(*) from pgcoord.member_sessions where id = %s", old_x) == [(0,)]
+        assert sql(dsn, "select left_reason from pgcoord.member_sessions where id = %s", old_x) == [
+            ("crashed",)]
 
 
 @pytest.fixture
@@ -334,3 +338,43 @@ async def test_after_a_server_restart_every_member_joins_again(own_server: objec
         for m in members:
             await m.close()
     assert member_locks(server_dsn) == []
+
+
+async def test_behind_a_transaction_mode_pooler_membership_polls_heartbeat_rows(dsn: str) -> None:
+    from .pgbouncer import PgBouncer
+
+    # psycopg: asyncpg's named prepared statements need PgBouncer's own
+    # prepared-statement support, which is beside the point here.
+    driver = "psycopg"
+    bouncer = PgBouncer(int(dsn.rsplit(":", 1)[1].split("/")[0]))
+    pooled = bouncer.dsn(dsn)
+    g = group()
+    ttl = 1.5
+    try:
+        async with pgcoord.Member(pooled, group=g, name="a", ttl=ttl, driver=driver) as a:
+            assert a.polling is True
+            changes = a.watch()
+            b = pgcoord.Member(pooled, group=g, name="b", ttl=ttl, driver=driver)
+            await b.open()
+            joined = await next_change(changes, timeout=ttl * 2)
+            assert isinstance(joined, pgcoord.MemberJoined) and joined.member.name == "b"
+            # No alive lock behind a pooler: liveness is the heartbeat row.
+            assert member_locks(dsn) == []
+            await b.close()
+            left = await next_change(changes, timeout=ttl * 2)
+            assert isinstance(left, pgcoord.MemberLeft) and (left.member.name, left.reason) == ("b", "left")
+            # A member that stops heartbeating (its tasks stopped, no goodbye) is
+            # gone after its ttl, and told as silent: a pooler hides how it ended.
+            c = pgcoord.Member(pooled, group=g, name="c", ttl=ttl, driver=driver)
+            await c.open()
+            assert isinstance(await next_change(changes, timeout=ttl * 2), pgcoord.MemberJoined)
+            assert c._runner is not None
+            c._runner.cancel()
+            await c._stop_tasks()
+            started = time.monotonic()
+            left = await next_change(changes, timeout=ttl * 4)
+            assert isinstance(left, pgcoord.MemberLeft) and (left.member.name, left.reason) == ("c", "silent")
+            assert time.monotonic() - started < ttl + ttl / 3 + 1.0
+            await c._drop_sessions()
+    finally:
+        bouncer.stop()

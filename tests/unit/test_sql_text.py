@@ -69,3 +69,13 @@ def test_begin_and_lock_carries_the_transaction_mode_and_refuses_unknown_levels(
     )
     with pytest.raises(ValueError, match="isolation"):
         begin_and_lock(lock, "SERIALIZABLE; DROP TABLE x")
+
+
+def test_every_packaged_query_can_be_sent_by_every_driver() -> None:
+    # psycopg's %s placeholders are positional: a query that names $1 twice
+    # would work on asyncpg and fail on psycopg.
+    for name, text in _queries._all().items():
+        if "$" in text and "{" not in text:
+            _queries.to_pyformat(text)
+        assert name in _queries._all()
+    assert "member_state" in _queries._all()
