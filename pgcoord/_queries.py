@@ -39,7 +39,13 @@ _FILES = ("queries.sql", "member_queries.sql")
 
 @cache
 def _all() -> dict[str, str]:
-    return parse("\n".join(read_sql(name) for name in _FILES))
+    queries: dict[str, str] = {}
+    for filename in _FILES:
+        for name, sql in parse(read_sql(filename)).items():
+            if name in queries:
+                raise ValueError(f"query {name!r} is defined twice")
+            queries[name] = sql
+    return queries
 
 
 def query(name: str) -> str:
