@@ -4,6 +4,8 @@ trust window, a session terminated under the leader, and a server that goes away
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -253,6 +255,60 @@ async def test_an_elector_keeps_campaigning_across_restarts_and_an_outage(
         await asyncio.to_thread(own_server._spawn)
         await until(lambda: len(terms.fences) == 3 and elector.is_leader, 15)
         assert terms.most_at_once == 1
+    finally:
+        await elector.stop()
+    await task
+
+
+def _server_processes(server: EmbeddedServer) -> list[int]:
+    """The postmaster and its children (each backend is a session of its own, so
+    signalling the postmaster's process group would reach the postmaster only)."""
+    assert server._proc is not None
+    postmaster = server._proc.pid
+    pids = [postmaster]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    # pid (comm) state ppid ...: comm may hold spaces, so split after ")"
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == postmaster:
+                        pids.append(int(entry))
+    return pids
+
+
+@contextlib.contextmanager
+def frozen(server: EmbeddedServer) -> Iterator[None]:
+    """The whole server stops answering (postmaster and backends), as in a partition
+    or a hung host: connections stay open, nothing comes back."""
+    pids = _server_processes(server)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in _server_processes(server):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_frozen_server_costs_the_leadership_but_not_the_campaign(
+    driver: str, own_server: EmbeddedServer, short_resign: float,
+) -> None:
+    """The leader steps down when its trust window closes; its resign cannot reach the
+    server and is abandoned at its bound; run() carries on and leads again after."""
+    terms = Terms()
+    elector = pgcoord.Elector(own_server.dsn, unique("elector:frozen"), ttl=1.0, driver=driver)
+    task = asyncio.create_task(elector.run(terms.lead))
+    try:
+        await until(lambda: elector.is_leader and terms.fences, 10)
+        with frozen(own_server):
+            await until(lambda: not elector.is_leader, 2)
+            await until(lambda: terms.running == 0, 2)
+            await asyncio.sleep(short_resign + 1.5)
+            assert not task.done(), task
+        await until(lambda: len(terms.fences) == 2 and elector.is_leader, 30)
+        assert terms.fences[1] == terms.fences[0] + 1
     finally:
         await elector.stop()
     await task

@@ -4,6 +4,8 @@ stale pooled connections, small pools, bare connections, and a server that goes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -413,3 +415,45 @@ async def test_an_outage_past_the_trust_window_loses_the_lease_and_the_next_acqu
                 await asyncio.sleep(0.2)
         assert new_fence == fence + 1
         await again.release()
+
+
+def _server_processes(server: EmbeddedServer) -> list[int]:
+    """The postmaster and its children (each backend is a session of its own)."""
+    assert server._proc is not None
+    postmaster = server._proc.pid
+    pids = [postmaster]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("kind", ASYNC_POOLS)
+async def test_a_frozen_server_loses_the_lease_within_the_window_and_the_bound(
+    kind: str, own_server: EmbeddedServer, short_release: float,
+) -> None:
+    """The server stops answering (partition, hung host): renewals cannot finish, the
+    body gets LeaseLost when the trust window closes, and the release that cannot reach
+    the server holds the exit up by its bound at most."""
+    dsn = own_server.dsn
+    name = unique("lease:frozen")
+    async with open_async(kind, dsn) as source:
+        lease = pgcoord.Lease(source, name, ttl=1.5)
+        pids: list[int] = []
+        try:
+            with pytest.raises(pgcoord.LeaseLost):
+                async with lease:
+                    pids = _server_processes(own_server)
+                    for pid in pids:
+                        os.kill(pid, signal.SIGSTOP)
+                    frozen_at = time.monotonic()
+                    await asyncio.sleep(30)
+            assert time.monotonic() - frozen_at < 1.5 + short_release + 1.5
+            task = asyncio.current_task()
+            assert task is not None and task.cancelling() == 0
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
