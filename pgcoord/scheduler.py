@@ -8,18 +8,25 @@ row in a terminal state with a reason: succeeded, failed, abandoned, missed or
 skipped. Cron expressions are evaluated by cronsim, which follows Debian cron
 across daylight-saving changes.
 
-A running slot's claim is a lease: its runner heartbeats it every claim_ttl/3.
-When a runner dies, the claim expires; with ``on_crash="skip"`` any replica
+A running slot's claim is a lease: its runner heartbeats it every claim_ttl/3,
+and believes it holds the claim only inside a trust window that closes (on the
+monotonic clock) before the database would let anyone take the slot over, as
+``Lease`` does. When the window closes — renewals failing or blocked, the slot
+taken over, the process paused — the run is cancelled and records nothing.
+When a runner dies, its claim expires; with ``on_crash="skip"`` any replica
 then records the slot ``abandoned`` (at most once); with ``"retry"`` one
 replica takes it over as the next attempt, up to ``max_attempts``, and a
 superseded runner can no longer record a result — in transactional mode its
 writes roll back with it.
+
+The loop survives the database: a tick that fails (a lost connection, a
+server restart, a terminated session) is logged and tried again after a
+back-off; it never ends ``run()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import os
@@ -34,22 +41,38 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
-from ._aio import CLEANUP_TIMEOUT, absorb_cancel, finish_despite_cancel
+from . import metrics
+from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._drivers import check_source, run_statement
+from ._keys import lock_key
 from ._queries import query
+from .errors import SchemaMissing, UnsupportedConnection
+from .leases import trust_margin
 from .locks import exclusive
 
-__all__ = ["Scheduler", "Slot"]
+__all__ = ["Scheduler", "Slot", "pool_capacity"]
 
 log = logging.getLogger("pgcoord.scheduler")
 
 UTC = dt.UTC
 CATCH_UP = ("latest", "none", "all")
 ON_CRASH = ("skip", "retry")
-# Per tick and job, at most this many slots are decided; a longer backlog
-# (a per-second job after a long outage) is worked off over the next ticks.
+# Slots are worked out and marked in batches of at most this many. With
+# catch_up="all" a longer backlog (a per-second job after a long outage) is
+# run over the next ticks; with "latest" and "none" every batch is decided in
+# the same tick, so that what runs is the latest slot, not the latest of the
+# first batch.
 MAX_SLOTS_PER_TICK = 2000
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
+# After a failed tick (the database gone, a terminated session) the loop waits
+# this long, doubling per failure up to BACKOFF_MAX, with jitter, and goes on.
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    """A timestamptz as the driver gave it (psycopg: in the session's TimeZone), in UTC."""
+    return value.astimezone(UTC)
 
 
 @dataclass(frozen=True)
@@ -63,10 +86,16 @@ class Slot:
     #: A connection in the run's transaction (``transactional=True`` jobs only).
     conn: Any = None
 
+    def __post_init__(self) -> None:
+        if self.at.tzinfo is None or self.at.utcoffset() is None:
+            raise ValueError(f"Slot.at must be an aware datetime, got {self.at!r}")
+        if self.at.tzinfo is not UTC:
+            object.__setattr__(self, "at", _utc(self.at))
+
     @property
     def key(self) -> str:
         """A stable idempotency key for this slot, e.g. ``nightly@2026-11-29T02:00:00Z``."""
-        return f"{self.job}@{self.at.astimezone(UTC).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+        return f"{self.job}@{self.at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
@@ -109,6 +138,39 @@ class Job:
                 return at
         raise ValueError(f"{self.expr!r} never fires")
 
+    def plan(self, due: list[dt.datetime], now: dt.datetime, *, final: bool,
+             ) -> tuple[list[dt.datetime], dict[str, list[dt.datetime]]]:
+        """Which of ``due`` to run and which to mark missed (by reason). ``final`` is
+        False for a full batch that later slots follow: with catch_up="latest" none
+        of it runs."""
+        run: list[dt.datetime] = []
+        missed: dict[str, list[dt.datetime]] = {}
+        grace = self.deadline
+        if self.catch_up == "all":
+            for at in due:
+                if grace is not None and (now - at).total_seconds() > grace:
+                    missed.setdefault("deadline", []).append(at)
+                else:
+                    run.append(at)
+        elif self.catch_up == "latest":
+            if not final:
+                return run, {"catch_up=latest": list(due)}
+            *older, latest = due
+            if older:
+                missed["catch_up=latest"] = older
+            if grace is not None and (now - latest).total_seconds() > grace:
+                missed.setdefault("deadline", []).append(latest)
+            else:
+                run.append(latest)
+        else:  # none: only a slot that is due right now
+            grace = 2.0 if grace is None else grace
+            for at in due:
+                if (now - at).total_seconds() > grace:
+                    missed.setdefault("catch_up=none", []).append(at)
+                else:
+                    run.append(at)
+        return run, missed
+
 
 def _seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float = 0.0) -> float | None:
     if value is None and allow_none:
@@ -118,23 +180,101 @@ def _seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float 
     return float(value)
 
 
+def _backoff(failures: int) -> float:
+    """Seconds to wait after ``failures`` failed ticks in a row: doubling, capped, jittered
+    (so that replicas cut off together do not come back in step)."""
+    base: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2.0 ** max(0, failures - 1))
+    return base * random.uniform(0.5, 1.0)
+
+
+def pool_capacity(source: Any) -> int | None:
+    """How many connections ``source`` (an async pool or engine) lends at once, or
+    None when it sets no bound that pgcoord can read."""
+    module = type(source).__module__.partition(".")[0]
+    if module == "asyncpg":
+        size: int = source.get_max_size()
+        return size
+    if module == "psycopg_pool":
+        return int(source.max_size)
+    if module == "sqlalchemy":
+        from sqlalchemy.pool import AssertionPool, QueuePool, StaticPool
+
+        pool = source.sync_engine.pool
+        if isinstance(pool, StaticPool | AssertionPool):
+            return 1
+        if isinstance(pool, QueuePool):
+            # QueuePool keeps max_overflow only in this private attribute (-1:
+            # unbounded, also for pool_size=0); test_pool_capacity_of_each_pool_type
+            # fails if a SQLAlchemy version keeps it elsewhere. Unknown: no bound.
+            overflow = getattr(pool, "_max_overflow", None)
+            if isinstance(overflow, int) and overflow >= 0:
+                return int(pool.size()) + overflow
+    return None
+
+
+def _refuse_shared_connection(source: Any) -> None:
+    """A SQLAlchemy engine whose pool hands one connection to every checkout is a
+    bare connection in disguise: the scheduler's concurrent statements would meet on it."""
+    if type(source).__module__.partition(".")[0] != "sqlalchemy":
+        return
+    from sqlalchemy.pool import AssertionPool, StaticPool
+
+    pool = source.sync_engine.pool
+    if isinstance(pool, StaticPool | AssertionPool):
+        raise UnsupportedConnection(
+            f"Scheduler runs statements concurrently and cannot use an engine with a "
+            f"{type(pool).__name__}, which lends one connection to every checkout; "
+            "use the default pool (AsyncAdaptedQueuePool) or NullPool"
+        )
+
+
+class _Claim:
+    """What this runner believes about its claim on a running slot: a lease whose
+    trust window closes before the database lets another replica take over."""
+
+    def __init__(self, ttl: float, sent_at: float) -> None:
+        self.ttl = ttl
+        self.lost: str | None = None
+        self.renewed(sent_at)
+
+    def renewed(self, sent_at: float) -> None:
+        """A claim or heartbeat sent at ``sent_at`` (monotonic) succeeded."""
+        self.sent_at = sent_at
+        self.trust_until = sent_at + self.ttl - trust_margin(self.ttl)
+
+
+@dataclass(eq=False)
+class _Run:
+    spec: Job
+    slot: Slot
+    claim: _Claim
+    task: asyncio.Task[None] | None = None
+    started: bool = False
+
+
 class Scheduler:
     """Run-once cron across every replica that runs the same code; see DESIGN §4."""
 
     def __init__(self, source: Any, *, runner: str | None = None, tick: float = 1.0) -> None:
-        check_source(source, need_async=True)
+        check_source(source, need_async=True, background="Scheduler")
+        _refuse_shared_connection(source)
         self._source = source
         self.runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.jobs: dict[str, Job] = {}
-        self._max_sleep = _seconds(tick, "tick", minimum=0.01)
-        self._running: dict[tuple[str, dt.datetime], tuple[Job, Slot, asyncio.Task[None]]] = {}
+        self._max_sleep = _seconds(tick, "tick", minimum=0.01) or 1.0
+        self._capacity = pool_capacity(source)
+        # A transactional run holds a pool connection for its whole body; the
+        # ticks, heartbeats and records need one more. So at most capacity - 1
+        # such runs hold one at a time, and the rest wait their turn.
+        self._tx_turns = (asyncio.Semaphore(self._capacity - 1)
+                          if self._capacity is not None and self._capacity > 1 else None)
+        self._running: dict[tuple[str, dt.datetime], _Run] = {}
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
         self._draining = False
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
         self._wake = asyncio.Event()
-        self._recorded: set[tuple[str, dt.datetime]] = set()
 
     # -- registration ------------------------------------------------------------------
 
@@ -167,6 +307,13 @@ class Scheduler:
             raise ValueError(f"catch_up must be one of {CATCH_UP}, not {catch_up!r}")
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError("max_attempts must be an int >= 1")
+        if transactional and self._capacity is not None and self._capacity < 2:
+            raise UnsupportedConnection(
+                f"job {job!r}: a transactional job holds a pool connection for its whole run, "
+                "and the scheduler needs another meanwhile to renew the slot's claim; this pool "
+                f"lends at most {self._capacity} connection: give it max_size >= 2 "
+                "(SQLAlchemy: pool_size + max_overflow >= 2)"
+            )
         spec = Job(
             name=job, expr=expr, tz=zone, fn=None,  # type: ignore[arg-type]
             on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
@@ -212,23 +359,23 @@ class Scheduler:
             raise RuntimeError("this Scheduler is already running")
         self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
         try:
-            for spec in self.jobs.values():
-                row = await run_statement(self._source, query("job_register"),
-                                 (spec.name, spec.expr, spec.tz.key))
-                assert row is not None
-                spec.registered_at = row[0]
-                self._clock_offset = row[1].timestamp() - time.time()
+            await self._register()
+            failures = 0
             while not self._draining:
                 self._wake.clear()
-                wake = await self.tick()
-                pause = max(0.0, min(wake - self._db_now(), self._max_sleep or 1.0))
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
-                # cancellation that races the event being set.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(pause):
-                        await self._wake.wait()
+                try:
+                    wake = await self.tick()
+                except Exception as exc:  # the database went away: back off, never end run()
+                    failures += 1
+                    pause = _backoff(failures)
+                    log.warning("scheduler tick failed (%d in a row), trying again in %.2f s: %r",
+                                failures, pause, exc)
+                else:
+                    failures = 0
+                    pause = max(0.0, min(wake - self._db_now(), self._max_sleep))
+                await self._sleep(pause)
             # Draining: no more claims; let running slots finish for a while.
-            running = [task for _, _, task in self._running.values()]
+            running = [run.task for run in self._running.values() if run.task is not None]
             if running:
                 await asyncio.wait(running, timeout=self._drain)
         except asyncio.CancelledError:
@@ -236,8 +383,44 @@ class Scheduler:
                 raise
             absorb_cancel()
         finally:
-            await finish_despite_cancel(self._stop_runs())
+            try:
+                await finish_despite_cancel(self._stop_runs(), bound=2 * CLEANUP_TIMEOUT)
+            except CleanupTimeout:
+                log.warning("scheduler: runs still going %.0f s after being cancelled were left"
+                            " behind (their claims expire)", 2 * CLEANUP_TIMEOUT)
             self._run_task = None
+
+    async def _register(self) -> None:
+        """Register every job, trying again (backing off) while the database is away."""
+        failures = 0
+        for spec in self.jobs.values():
+            while not self._draining:
+                try:
+                    row = await run_statement(self._source, query("job_register"),
+                                              (spec.name, spec.expr, spec.tz.key))
+                except SchemaMissing:
+                    raise
+                except Exception as exc:
+                    failures += 1
+                    pause = _backoff(failures)
+                    log.warning("registering job %r failed, trying again in %.2f s: %r",
+                                spec.name, pause, exc)
+                    await self._sleep(pause)
+                    continue
+                assert row is not None
+                spec.registered_at = _utc(row[0])
+                self._clock_offset = row[1].timestamp() - time.time()
+                break
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, or less if ``stop()`` or a finished run wakes the loop."""
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+        # cancellation that races the event being set.
+        try:
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
 
     async def stop(self, *, drain: float = 30.0) -> None:
         """Stop claiming slots, let running ones finish for up to ``drain`` seconds, then
@@ -248,7 +431,7 @@ class Scheduler:
         self._drain = drain
         self._draining = True
         self._wake.set()
-        done, _ = await asyncio.wait({task}, timeout=drain + CLEANUP_TIMEOUT)
+        done, _ = await asyncio.wait({task}, timeout=drain + 2 * CLEANUP_TIMEOUT)
         self._stopping = True
         if not done:
             task.cancel()
@@ -258,93 +441,86 @@ class Scheduler:
         return time.time() + self._clock_offset
 
     async def tick(self) -> float:
-        """One pass over every job; returns when (database epoch seconds) to look again."""
+        """One pass over every job; returns when (database epoch seconds) to look again.
+        A job whose pass fails is logged and looked at again next tick."""
         names = list(self.jobs)
         row = await run_statement(self._source, query("job_state"), (names,))
         assert row is not None
-        now, lasts = row[0], row[1]
+        now, lasts = _utc(row[0]), row[1]
         self._clock_offset = now.timestamp() - time.time()
-        wake: float = now.timestamp() + (self._max_sleep or 1.0)
+        wake: float = now.timestamp() + self._max_sleep
         # Jobs are independent: decide them side by side (as many at once as
         # the pool lends connections), so the hundredth job is not a hundred
         # round trips late.
-        await asyncio.gather(*(self._tick_job(self.jobs[name], now, last)
+        await asyncio.gather(*(self._tick_job(self.jobs[name], now, None if last is None else _utc(last))
                                for name, last in zip(names, lasts, strict=True)))
         for name in names:
             wake = min(wake, self.jobs[name].next_after(now).timestamp())
         return wake
 
     async def _tick_job(self, spec: Job, now: dt.datetime, last: dt.datetime | None) -> None:
-        await self._decide(spec, now, last)
-        # Expired claims are looked for a few times per claim_ttl, not every tick.
-        if time.monotonic() - spec.last_recover >= spec.claim_ttl / 3:
-            spec.last_recover = time.monotonic()
-            await self._recover(spec)
-        if time.monotonic() - spec.last_prune > PRUNE_EVERY:
-            spec.last_prune = time.monotonic()
-            await self.prune(spec.name)
+        try:
+            await self._decide(spec, now, last)
+            # Expired claims are looked for a few times per claim_ttl, not every tick.
+            if time.monotonic() - spec.last_recover >= spec.claim_ttl / 3:
+                spec.last_recover = time.monotonic()
+                await self._recover(spec)
+            if time.monotonic() - spec.last_prune > PRUNE_EVERY:
+                spec.last_prune = time.monotonic()
+                await self.prune(spec.name)
+        except Exception as exc:
+            log.warning("job %r: scheduling pass failed, trying again next tick: %r", spec.name, exc)
 
     async def _decide(self, spec: Job, now: dt.datetime, last: dt.datetime | None) -> None:
         assert spec.registered_at is not None
         after = max(last, spec.registered_at) if last is not None else spec.registered_at
-        due = spec.slots_after(after, now)
-        if not due:
-            return
-        run: list[dt.datetime] = []
-        missed: dict[str, list[dt.datetime]] = {}
-        grace = spec.deadline
-        if spec.catch_up == "all":
-            for at in due:
-                if grace is not None and (now - at).total_seconds() > grace:
-                    missed.setdefault("deadline", []).append(at)
-                else:
-                    run.append(at)
-        elif spec.catch_up == "latest":
-            *older, latest = due
-            if older:
-                missed["catch_up=latest"] = older
-            if grace is not None and (now - latest).total_seconds() > grace:
-                missed.setdefault("deadline", []).append(latest)
-            else:
-                run.append(latest)
-        else:  # none: only a slot that is due right now
-            grace = 2.0 if grace is None else grace
-            for at in due:
-                if (now - at).total_seconds() > grace:
-                    missed.setdefault("catch_up=none", []).append(at)
-                else:
-                    run.append(at)
-        for reason, slots in missed.items():
-            await run_statement(self._source, query("job_mark_missed"), (spec.name, slots, reason))
         # With catch_up="all" a backlog runs one slot after another: a slot due
         # while another runs waits for a later tick instead of being skipped.
         on_overlap = ("run" if spec.allow_overlap
                       else "wait" if spec.catch_up == "all" else "skip")
-        for at in run:
-            if spec.jitter:
-                await asyncio.sleep(random.uniform(0, spec.jitter))
-            claim = await run_statement(self._source, query("job_claim"),
-                               (spec.name, at, self.runner, int(spec.claim_ttl * 1000), on_overlap))
-            if claim is None:
-                continue  # another replica has it
-            state, attempt = claim
-            if state == "waiting":
+        while True:
+            due = spec.slots_after(after, now)
+            if not due:
                 return
-            if state == "running":
-                self._start(spec, Slot(spec.name, at, int(attempt)))
-                if on_overlap == "wait":
+            final = (spec.catch_up == "all" or len(due) < MAX_SLOTS_PER_TICK
+                     or spec.next_after(due[-1]) > now)
+            run, missed = spec.plan(due, now, final=final)
+            for reason, slots in missed.items():
+                await run_statement(self._source, query("job_mark_missed"), (spec.name, slots, reason))
+            for at in run:
+                if not await self._claim(spec, at, on_overlap):
                     return
-            else:
-                log.info("job %r slot %s skipped: the previous run is still going", spec.name, at)
+            if final:
+                return
+            after = due[-1]
+
+    async def _claim(self, spec: Job, at: dt.datetime, on_overlap: str) -> bool:
+        """Try to claim slot ``at``; False when the job must wait for a later tick."""
+        if spec.jitter:
+            await asyncio.sleep(random.uniform(0, spec.jitter))
+        sent = time.monotonic()
+        claim = await run_statement(self._source, query("job_claim"),
+                                    (spec.name, at, self.runner, int(spec.claim_ttl * 1000), on_overlap))
+        if claim is None:
+            return True  # another replica has it
+        state, attempt = claim
+        if state == "waiting":
+            return False
+        if state == "running":
+            self._start(spec, Slot(spec.name, at, int(attempt)), sent)
+            return on_overlap != "wait"
+        log.info("job %r slot %s skipped: the previous run is still going", spec.name, at)
+        return True
 
     async def _recover(self, spec: Job) -> None:
+        sent = time.monotonic()
         row = await run_statement(self._source, query("job_recover"),
-                         (spec.name, self.runner, int(spec.claim_ttl * 1000),
-                          spec.on_crash == "retry", spec.max_attempts))
+                                  (spec.name, self.runner, int(spec.claim_ttl * 1000),
+                                   spec.on_crash == "retry", spec.max_attempts))
         if row is not None:
-            at, attempt = row
+            at, attempt = _utc(row[0]), int(row[1])
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", spec.name, at, attempt)
-            self._start(spec, Slot(spec.name, at, int(attempt)))
+            self._start(spec, Slot(spec.name, at, attempt), sent)
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
@@ -352,7 +528,7 @@ class Scheduler:
         total = 0
         while True:
             row = await run_statement(self._source, query("job_prune"),
-                             (spec.name, int(spec.keep * 1000), batch))
+                                      (spec.name, int(spec.keep * 1000), batch))
             deleted = int(row[0]) if row else 0
             total += deleted
             if deleted < batch:
@@ -360,61 +536,94 @@ class Scheduler:
 
     # -- running slots ---------------------------------------------------------------------
 
-    def _start(self, spec: Job, slot: Slot) -> None:
-        task = asyncio.create_task(self._execute(spec, slot), name=f"pgcoord-job:{slot.key}")
-        self._running[(spec.name, slot.at)] = (spec, slot, task)
-        task.add_done_callback(lambda t: self._finished(spec.name, slot.at, t))
+    def _start(self, spec: Job, slot: Slot, sent: float) -> None:
+        run = _Run(spec, slot, _Claim(spec.claim_ttl, sent))
+        run.task = asyncio.create_task(self._execute(run), name=f"pgcoord-job:{slot.key}")
+        self._running[(spec.name, slot.at)] = run
+        run.task.add_done_callback(lambda _: self._finished(run))
 
-    def _finished(self, job: str, at: dt.datetime, task: asyncio.Task[None]) -> None:
-        if self._running.get((job, at), (None, None, None))[2] is task:
-            del self._running[(job, at)]
-        if not task.cancelled():
-            self._recorded.discard((job, at))
+    def _finished(self, run: _Run) -> None:
+        key = (run.spec.name, run.slot.at)
+        if self._running.get(key) is run:
+            del self._running[key]
         self._wake.set()  # a waiting backlog may go on at once
 
     async def trigger(self, job: str) -> Slot:
         """Run ``job`` now, on this replica, without using up a scheduled slot."""
         spec = self._job(job)
+        sent = time.monotonic()
         row = await run_statement(self._source, query("job_claim_now"),
-                         (spec.name, self.runner, int(spec.claim_ttl * 1000)))
+                                  (spec.name, self.runner, int(spec.claim_ttl * 1000)))
         assert row is not None
         slot = Slot(spec.name, row[2], int(row[1]), manual=True)
-        try:
-            await self._execute(spec, slot)
-        finally:
-            self._recorded.discard((spec.name, slot.at))
+        await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent)))
         return slot
 
-    async def _execute(self, spec: Job, slot: Slot) -> None:
-        body = asyncio.current_task()
-        heartbeat = asyncio.create_task(self._heartbeat(spec, slot, body))
-        outcome, error = "succeeded", None
+    async def _execute(self, run: _Run) -> None:
+        """Run a claimed slot: its body in a task of its own, beside the heartbeat
+        that keeps the claim (and cancels the body when the claim is lost); then
+        record the outcome. A cancellation of this task stops the body, records
+        the slot stopped and is raised again."""
+        run.started = True
+        slot = run.slot
+        body = asyncio.create_task(self._body(run), name=f"pgcoord-job-body:{slot.key}")
+        heartbeat = asyncio.create_task(self._heartbeat(run, body), name=f"pgcoord-job-claim:{slot.key}")
+        cancelled = False
         try:
-            if spec.transactional:
-                recorded = await self._run_transactional(spec, slot)
-                if recorded:
-                    return
-            else:
-                await spec.fn(slot)
-        except asyncio.CancelledError:
-            if not self._stopping:
-                raise
-            outcome, error = "stopped", None
-        except _Superseded:
-            log.warning("job %r slot %s attempt %d was taken over; its result is discarded",
-                        spec.name, slot.at, slot.attempt)
-            return
-        except Exception as exc:
-            log.exception("job %r slot %s failed", spec.name, slot.at)
-            outcome, error = "failed", f"{type(exc).__name__}: {exc}"
+            try:
+                await asyncio.wait({body})
+            except asyncio.CancelledError:
+                cancelled = True
+                body.cancel()
+                await asyncio.wait({body})  # the body's own cleanup (a rollback) runs first
         finally:
             heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
-        await finish_despite_cancel(self._record(spec, slot, outcome, error))
+            heartbeat.add_done_callback(consume_result)
+            if not body.done():  # cancelled twice while the body was stopping: leave it
+                body.add_done_callback(consume_result)
+        outcome, error = self._outcome(run, body, cancelled)
+        if outcome is not None:
+            await self._record(run, outcome, error)
+        if cancelled:
+            raise asyncio.CancelledError
 
-    async def _record(self, spec: Job, slot: Slot, outcome: str, error: str | None) -> None:
-        self._recorded.add((spec.name, slot.at))
+    async def _body(self, run: _Run) -> bool:
+        """The job itself; True when it recorded its own success (transactional)."""
+        if run.spec.transactional:
+            return await self._run_transactional(run)
+        await run.spec.fn(run.slot)
+        return False
+
+    def _outcome(self, run: _Run, body: asyncio.Task[bool], cancelled: bool,
+                 ) -> tuple[str | None, str | None]:
+        """What to record for a finished body: (state, error), or (None, None) for nothing."""
+        spec, slot = run.spec, run.slot
+        if body.cancelled():
+            if run.claim.lost is not None:
+                log.warning("job %r slot %s attempt %d was cut off: %s; nothing is recorded,"
+                            " the claim expires", spec.name, slot.at, slot.attempt, run.claim.lost)
+                return None, None
+            if cancelled or self._stopping:
+                return "stopped", None
+            return "failed", "CancelledError: the job was cancelled"
+        exc = body.exception()
+        if isinstance(exc, _Superseded):
+            log.warning("job %r slot %s attempt %d was taken over; its result is discarded",
+                        spec.name, slot.at, slot.attempt)
+            return None, None
+        if exc is not None:
+            log.error("job %r slot %s failed", spec.name, slot.at, exc_info=exc)
+            return "failed", f"{type(exc).__name__}: {exc}"
+        if body.result():
+            return None, None  # a transactional run recorded itself
+        # A body that ended normally is recorded even if the claim's window closed
+        # meanwhile: job_finish only succeeds while this runner's attempt holds the slot.
+        return "succeeded", None
+
+    async def _record(self, run: _Run, outcome: str, error: str | None) -> None:
+        """Record a run's end, bounded: a record that cannot finish in time (a row lock,
+        a server that does not answer) is abandoned and the claim left to expire."""
+        spec, slot = run.spec, run.slot
         if outcome == "stopped":
             if spec.on_crash == "retry":
                 return  # the claim expires and another replica retries it
@@ -422,9 +631,17 @@ class Scheduler:
         else:
             reason = None
         try:
-            async with asyncio.timeout(CLEANUP_TIMEOUT):
-                row = await run_statement(self._source, query("job_finish"),
-                                 (spec.name, slot.at, self.runner, slot.attempt, outcome, reason, error))
+            # Past the bound the statement is cancelled in its own task (which
+            # cancels it on the server and gives its connection back, or
+            # discards it); nothing else is ours to close, so no on_timeout.
+            row = await finish_despite_cancel(run_statement(
+                self._source, query("job_finish"),
+                (spec.name, slot.at, self.runner, slot.attempt, outcome, reason, error),
+            ), bound=CLEANUP_TIMEOUT)
+        except CleanupTimeout:
+            log.warning("job %r slot %s: recording %s took longer than %.0f s and was abandoned;"
+                        " the claim expires", spec.name, slot.at, outcome, CLEANUP_TIMEOUT)
+            return
         except Exception as exc:
             log.warning("job %r slot %s: could not record %s: %r", spec.name, slot.at, outcome, exc)
             return
@@ -432,46 +649,89 @@ class Scheduler:
             log.warning("job %r slot %s attempt %d was taken over; its %s is not recorded",
                         spec.name, slot.at, slot.attempt, outcome)
 
-    async def _run_transactional(self, spec: Job, slot: Slot) -> bool:
-        """Run the job and record success in one transaction; False if it must be recorded apart."""
+    async def _run_transactional(self, run: _Run) -> bool:
+        """Run the job and record success in one transaction."""
         from ._drivers import fetchval_on
 
-        # The slot's transaction lock makes a retry of the same slot wait until
-        # this transaction has ended, so two attempts never run side by side.
-        async with exclusive(self._source, f"pgcoord.job:{slot.key}") as conn:
-            await spec.fn(Slot(slot.job, slot.at, slot.attempt, slot.manual, conn))
-            done = await fetchval_on(conn, query("job_finish"), (
-                spec.name, slot.at, self.runner, slot.attempt, "succeeded", None, None))
-            if not done:
-                raise _Superseded()
+        spec, slot = run.spec, run.slot
+        turn = self._tx_turns
+        if turn is not None:
+            await turn.acquire()
+        try:
+            # The slot's transaction lock makes a retry of the same slot wait until
+            # this transaction has ended, so two attempts never run side by side.
+            # A numeric key: a name would add a lock_names row and a metrics
+            # label per slot, without bound.
+            async with exclusive(self._source, lock_key(f"pgcoord.job:{slot.key}")) as conn:
+                await spec.fn(Slot(slot.job, slot.at, slot.attempt, slot.manual, conn))
+                if run.claim.lost is not None:
+                    raise _Superseded()
+                done = await fetchval_on(conn, query("job_finish"), (
+                    spec.name, slot.at, self.runner, slot.attempt, "succeeded", None, None))
+                if not done:
+                    raise _Superseded()
+        finally:
+            if turn is not None:
+                turn.release()
         return True
 
-    async def _heartbeat(self, spec: Job, slot: Slot, body: asyncio.Task[Any] | None) -> None:
-        interval = spec.claim_ttl / 3
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                row = await run_statement(self._source, query("job_heartbeat"),
-                                 (spec.name, slot.at, self.runner, slot.attempt,
-                                  int(spec.claim_ttl * 1000)))
-            except Exception as exc:
-                log.warning("job %r slot %s: heartbeat failed: %r", spec.name, slot.at, exc)
-                continue
-            if row is not None and not row[0] and body is not None:
-                body.cancel("pgcoord: slot taken over by another runner")
-                return
+    async def _heartbeat(self, run: _Run, body: asyncio.Task[Any]) -> None:
+        """Renew the claim every claim_ttl/3 (sooner after a failure) while the trust
+        window is open; when it closes, or the slot is no longer this attempt's,
+        cancel the body."""
+        spec, slot, claim = run.spec, run.slot, run.claim
+        next_at = claim.sent_at + spec.claim_ttl / 3
+        attempt: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                sent = time.monotonic()
+                if sent >= claim.trust_until:  # e.g. the process was paused
+                    self._lose(run, body, "its trust window closed before a heartbeat was sent")
+                    return
+                attempt = asyncio.ensure_future(run_statement(
+                    self._source, query("job_heartbeat"),
+                    (spec.name, slot.at, self.runner, slot.attempt, int(spec.claim_ttl * 1000))))
+                done, _ = await asyncio.wait({attempt}, timeout=claim.trust_until - sent)
+                if not done:
+                    self._lose(run, body, "no heartbeat succeeded before its trust window closed")
+                    return
+                finished, attempt = attempt, None
+                error = finished.exception()
+                if error is None:
+                    row = finished.result()
+                    if row is None or not row[0]:
+                        self._lose(run, body, "the slot was taken over or its claim expired")
+                        return
+                    claim.renewed(sent)
+                    next_at = sent + spec.claim_ttl / 3
+                    continue
+                # A transient error is not a loss while the trust window is open.
+                log.warning("job %r slot %s: heartbeat failed, retrying: %r", spec.name, slot.at, error)
+                next_at = time.monotonic() + min(spec.claim_ttl / 10,
+                                                 max(0.0, claim.trust_until - time.monotonic()))
+        finally:
+            if attempt is not None and not attempt.done():
+                attempt.cancel()
+                attempt.add_done_callback(consume_result)
+
+    def _lose(self, run: _Run, body: asyncio.Task[Any], reason: str) -> None:
+        if run.claim.lost is None:
+            run.claim.lost = f"claim lost: {reason}"
+            metrics.lock_lost(run.spec.name, reason)
+        body.cancel(f"pgcoord: job {run.spec.name!r} slot {run.slot.key}: {run.claim.lost}")
 
     async def _stop_runs(self) -> None:
         self._stopping = True
-        entries = list(self._running.values())
-        for _, _, task in entries:
-            task.cancel()
-        await asyncio.gather(*(task for _, _, task in entries), return_exceptions=True)
-        for spec, slot, task in entries:
-            if task.cancelled() and (spec.name, slot.at) not in self._recorded:
-                # Cancelled before it began: nothing ran, so say so.
-                await self._record(spec, slot, "stopped", None)
-        self._recorded.clear()
+        runs = list(self._running.values())
+        for run in runs:
+            if run.task is not None:
+                run.task.cancel()
+        await asyncio.gather(*(run.task for run in runs if run.task is not None),
+                             return_exceptions=True)
+        # Cancelled before it began: nothing ran, so say so.
+        await asyncio.gather(*(self._record(run, "stopped", None) for run in runs if not run.started),
+                             return_exceptions=True)
 
 
 class _Superseded(Exception):
