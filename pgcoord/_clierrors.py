@@ -201,7 +201,8 @@ def explain(exc: BaseException, dsn: str | None) -> CliError:
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {one_line(driver)}; {hint}")
     if code == "42501":
         return CliError(EXIT_PRIVILEGE, f"permission denied in {where}: {one_line(driver)}; run it as "
-                                        f"a role with that privilege (migrate: the schema's owner)")
+                                        f"a role that has the privilege (migrate: the database's owner; "
+                                        f"status: a role granted sql/roles.sql's operator grants)")
     if type(exc).__name__ == "ServerNotFound":  # pgcoord demo without PostgreSQL installed
         return CliError(EXIT_ERROR, str(exc))
     return CliError(EXIT_ERROR, f"{type(driver).__name__}: {one_line(driver)} "

@@ -210,13 +210,16 @@ def test_help_lists_the_exit_codes() -> None:
 
 # -- privileges --------------------------------------------------------------------------
 
-def test_migrate_as_a_role_without_create_exits_5(fresh_db: str) -> None:
+def test_a_role_without_the_privilege_exits_5(fresh_db: str, dsn: str) -> None:
     role = f"weak_{uuid.uuid4().hex[:8]}"
     sql(fresh_db, f"create role {role} login")
     try:
+        # migrate needs CREATE on the database; status needs the operator grants
         line = one_line(pgcoord("migrate", "--dsn", with_db(fresh_db, user=role)), NO_PRIVILEGE)
         assert "permission denied" in line
         assert migrations.current(fresh_db) is None
+        line = one_line(pgcoord("status", "--dsn", with_db(dsn, user=role)), NO_PRIVILEGE)
+        assert "permission denied" in line and "roles.sql" in line
     finally:
         sql(fresh_db, f"drop role {role}")
 
