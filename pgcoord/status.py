@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -123,16 +124,23 @@ def run_status(
                     raise
                 rows, error = None, exc
             shown_once = True
-            if watch:
-                print("\x1b[2J\x1b[H", end="")
-                print(f"pgcoord status, every {watch:g}s, {time.strftime('%H:%M:%S')} (Ctrl-C to stop)")
-            if rows is None:
-                print(f"{explain(error) if error else ''}; trying again", flush=True)
-            elif as_json:
-                print(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows], indent=2))
+            if as_json:
+                # Watching as JSON: one document per line, for a script to read as they come.
+                if rows is None:
+                    print(f"pgcoord: {explain(error) if error else ''}; trying again",
+                          file=sys.stderr, flush=True)
+                else:
+                    doc = [{k: _jsonable(v) for k, v in r.items()} for r in rows]
+                    print(json.dumps(doc) if watch else json.dumps(doc, indent=2), flush=True)
             else:
-                width = min(shutil.get_terminal_size((80, 24)).columns, 120)
-                print(format_table(rows, width), flush=bool(watch))
+                if watch:
+                    print("\x1b[2J\x1b[H", end="")
+                    print(f"pgcoord status, every {watch:g}s, {time.strftime('%H:%M:%S')} (Ctrl-C to stop)")
+                if rows is None:
+                    print(f"{explain(error) if error else ''}; trying again", flush=True)
+                else:
+                    width = min(shutil.get_terminal_size((80, 24)).columns, 120)
+                    print(format_table(rows, width), flush=bool(watch))
             if not watch:
                 return 0
             time.sleep(watch)

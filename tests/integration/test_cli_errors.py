@@ -7,6 +7,7 @@ the interface: 2 usage, 3 cannot connect, 4 schema missing, 5 no privilege.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -294,3 +295,18 @@ def test_watch_carries_on_through_refused_connections_and_ends_quietly_on_ctrl_c
     assert proc.stderr is not None
     stderr = proc.stderr.read()
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+
+
+def test_watch_as_json_prints_one_document_per_line(dsn: str) -> None:
+    proc = spawn("status", "--dsn", dsn, "--watch", "0.2", "--json")
+    out = _Lines(proc.stdout)
+    try:
+        out.wait_for("]", after=1)  # a second refresh, so two lines
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    docs = [json.loads(line) for line in out.lines[:2]]
+    assert all(isinstance(doc, list) for doc in docs), out.lines[:2]
