@@ -195,7 +195,8 @@ def pool_capacity(source: Any) -> int | None:
         size: int = source.get_max_size()
         return size
     if module == "psycopg_pool":
-        return int(source.max_size)
+        most = int(source.max_size)
+        return most or None  # 0: an AsyncNullConnectionPool without a bound
     if module == "sqlalchemy":
         from sqlalchemy.pool import AssertionPool, QueuePool, StaticPool
 

@@ -454,3 +454,8 @@ async def test_pool_capacity_of_each_pool_type(dsn: str) -> None:
     finally:
         for e in engines:
             await e.dispose()
+    async with psycopg_pool.AsyncNullConnectionPool(dsn, open=False) as unbounded, \
+            psycopg_pool.AsyncNullConnectionPool(dsn, max_size=2, open=False) as two:
+        assert scheduler_module.pool_capacity(unbounded) is None
+        assert scheduler_module.pool_capacity(two) == 2
+        Scheduler(unbounded).cron("any", "* * * * *", transactional=True)(_noop)
