@@ -1,28 +1,61 @@
-"""Dedicated connections for LockHolder: opened from a DSN or borrowed from a pool.
+"""Dedicated connections for LockHolder, Elector and Member: opened from a DSN or
+borrowed from a pool.
 
 A ``HolderConnection`` is one driver connection used outside any transaction
-(session locks). A ``ConnectionSource`` opens them: its own connections from a
-DSN, or ones borrowed from an asyncpg pool, a psycopg async pool or a SQLAlchemy
-async engine, which go back only after the holder proved them clean.
+(session locks, a lease's doorbell). It tells its owner as soon as the server
+closes it (``on_lost``): asyncpg reads its socket all the time; for psycopg,
+which reads only while a statement runs, the socket is watched while the
+connection is idle (see ``_Psycopg``).
+
+A ``ConnectionSource`` opens them: its own connections from a DSN, or ones
+borrowed from an asyncpg pool, a psycopg async pool or a SQLAlchemy async
+engine, which go back only after their owner proved them clean, and go back
+*broken* (so the pool replaces them) when they were discarded.
+
+``open()`` may wait as any borrower of the pool would (the pool's own timeout
+becomes ``PoolExhausted``). ``open_now()`` gives another connection only if one
+can be had at once: a DSN source opens one; a pool lends one only when it has
+one idle or room to open one, and the answer is None otherwise. pgcoord takes
+every connection beyond the first with ``open_now()``, so it never waits on a
+pool for a connection it itself holds (with ``max_size=1`` that wait could
+never end).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
+import logging
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from ._queries import query, to_pyformat
-from .errors import UnsupportedConnection
+from .errors import PoolExhausted, UnsupportedConnection
+
+log = logging.getLogger("pgcoord.session")
+
+# How long open_now() lets a pool take to lend a connection it said it had (the
+# pool may have to open it). Past it, the borrower gets PoolExhausted.
+LEND_TIMEOUT = 10.0
 
 
 class HolderConnection(ABC):
+    #: The server process of this session (set by the owner after its setup).
     backend_pid: int = 0
+    #: The driver's own connection object.
+    conn: Any
 
     @abstractmethod
     async def fetchval(self, sql: str, *args: Any) -> Any:
         """One statement with ``$n`` parameters; the first column of its first row."""
+
+    @abstractmethod
+    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        """One statement with ``$n`` parameters; its first row."""
 
     @abstractmethod
     async def execute(self, sql: str) -> None:
@@ -35,83 +68,334 @@ class HolderConnection(ABC):
         """Call ``callback`` as soon as the driver sees the connection close."""
 
     @abstractmethod
+    def announced_pid(self) -> int | None:
+        """The process id the server announced when the connection was made
+        (BackendKeyData). A pooler announces one of its own."""
+
+    @abstractmethod
+    def terminate(self) -> None:
+        """Close the connection at our end at once: never blocks, never waits on
+        the network. The server ends the session (and releases its locks) when it
+        sees the socket close, and a statement in flight fails at once. Safe to
+        call twice and during a statement."""
+
+    def abort(self) -> None:
+        """``terminate()`` for when the statement in flight, if any, is being
+        cancelled (the ``on_timeout`` of a cleanup whose statement runs past its
+        bound): its wait is woken by the cancellation, so the socket can be
+        closed under it at once."""
+        self.terminate()
+
+    @abstractmethod
     async def close_now(self) -> None:
-        """Drop the connection at once; never waits on the network."""
+        """``terminate()``, then tell the pool (if borrowed) that the connection
+        is gone so it frees the slot. Never waits on the network."""
 
     @abstractmethod
     async def give_back(self) -> None:
         """Return a borrowed connection to its pool, or close an owned one."""
 
 
+class Lender:
+    """How a borrowed connection goes back: as good, or as broken."""
+
+    async def give_back(self, driver_conn: Any) -> None:
+        raise NotImplementedError
+
+    async def discard(self, driver_conn: Any) -> None:
+        """The connection is closed at our end already; free its slot."""
+        raise NotImplementedError
+
+
+# -- asyncpg ---------------------------------------------------------------------------
+
+def _raw_asyncpg(conn: Any) -> Any:
+    """The Connection behind a pool's proxy: its methods skip the proxy's dispatch."""
+    import asyncpg
+
+    raw = getattr(conn, "_con", None)
+    return raw if isinstance(raw, asyncpg.Connection) else conn
+
+
 class _Asyncpg(HolderConnection):
-    def __init__(self, conn: Any, give_back: Callable[[Any], Any] | None) -> None:
+    def __init__(self, conn: Any, lender: Lender | None) -> None:
         self.conn = conn
-        self._give_back = give_back
+        self._raw = _raw_asyncpg(conn)
+        self._lender = lender
+        self._listeners: list[Callable[[Any], None]] = []
 
     async def fetchval(self, sql: str, *args: Any) -> Any:
-        return await self.conn.fetchval(sql, *args)
+        return await self._raw.fetchval(sql, *args)
+
+    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        row = await self._raw.fetchrow(sql, *args)
+        return None if row is None else tuple(row)
 
     async def execute(self, sql: str) -> None:
-        await self.conn.execute(sql)
+        await self._raw.execute(sql)
 
     def on_lost(self, callback: Callable[[], None]) -> None:
-        self.conn.add_termination_listener(lambda _conn: callback())
+        def listener(_conn: Any) -> None:
+            callback()
+
+        self._listeners.append(listener)
+        self._raw.add_termination_listener(listener)
+
+    def _forget_listeners(self) -> None:
+        # A pooled connection outlives us: its next user's loss is not ours.
+        for listener in self._listeners:
+            self._raw.remove_termination_listener(listener)
+        self._listeners.clear()
+
+    def announced_pid(self) -> int | None:
+        return int(self._raw.get_server_pid())
+
+    def terminate(self) -> None:
+        self._raw.terminate()
 
     async def close_now(self) -> None:
-        self.conn.terminate()
+        self.terminate()
+        if self._lender is not None:
+            await self._lender.discard(self.conn)
 
     async def give_back(self) -> None:
-        if self._give_back is None:
-            await self.conn.close(timeout=5)
+        self._forget_listeners()
+        if self._lender is None:
+            await self._raw.close(timeout=5)
         else:
-            await self._give_back(self.conn)
+            await self._lender.give_back(self.conn)
 
+
+# -- psycopg ---------------------------------------------------------------------------
 
 class _Psycopg(HolderConnection):
-    def __init__(self, conn: Any, give_back: Callable[[Any], Any] | None) -> None:
+    """A psycopg ``AsyncConnection``, with its socket watched while it is idle.
+
+    psycopg reads from the socket only while a statement runs, so on its own it
+    would learn that the server ended the session only at the next statement.
+    While no statement is in flight this class registers a reader for the
+    socket on the event loop; when the socket becomes readable it consumes what
+    arrived as psycopg would (notifications go to the connection's notify
+    handlers, a server error to its notice handlers) and, if the connection is
+    now closed, calls the ``on_lost`` callbacks.
+
+    asyncio allows one reader per file descriptor and psycopg's own waits add
+    and remove a reader on the same one, so every operation goes through
+    ``_enter``/``_leave``: the watch is disarmed before psycopg touches the
+    socket and armed again once the last operation in flight is over.
+    """
+
+    def __init__(self, conn: Any, lender: Lender | None) -> None:
+        from psycopg.pq import ConnStatus
+
         self.conn = conn
-        self._give_back = give_back
+        self._lender = lender
+        self._ok = ConnStatus.OK
         self._restore_autocommit = False
+        self._busy = 0  # operations in flight
+        self._idle: asyncio.Event | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._watched_fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done = False  # lost, closed or given back: no more watching
+        self._finish_when_idle = False
+
+    # -- the watch ---------------------------------------------------------------
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if not self._busy:
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._watched_fd >= 0 or self._done or not self._callbacks:
+            return
+        pgconn = self.conn.pgconn
+        if pgconn.status != self._ok:
+            self._report_lost()
+            return
+        fd = pgconn.socket
+        assert self._loop is not None
+        self._loop.add_reader(fd, self._readable)
+        self._watched_fd = fd
+
+    def _disarm(self) -> None:
+        fd, self._watched_fd = self._watched_fd, -1
+        if fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(fd)
+
+    def _readable(self) -> None:
+        # Disarm first: on end of file libpq closes the socket, and a reader
+        # left registered for a closed descriptor would be inherited by the
+        # next socket to get its number.
+        self._disarm()
+        pgconn = self.conn.pgconn
+        try:
+            pgconn.consume_input()
+        except Exception:
+            pass  # the status below tells what happened
+        else:
+            # Parse what arrived: notices reach the notice handler as they are
+            # parsed, notifications the notify handler, as in psycopg's own reads.
+            while (notify := pgconn.notifies()) is not None:
+                handler = pgconn.notify_handler
+                if handler is not None:
+                    try:
+                        handler(notify)
+                    except Exception:
+                        log.exception("pgcoord: a notification handler failed")
+        if pgconn.status != self._ok:
+            self._report_lost()
+        elif not self._busy:
+            self._arm()
+
+    def _report_lost(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._disarm()
+        for callback in self._callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("pgcoord: a connection-lost callback failed")
+
+    def _enter(self) -> None:
+        self._busy += 1
+        if self._watched_fd >= 0:
+            self._disarm()
+
+    def _leave(self) -> None:
+        self._busy -= 1
+        if self._busy:
+            return
+        if self._finish_when_idle:
+            self.conn.pgconn.finish()
+        if self._idle is not None:
+            self._idle.set()
+        if self._callbacks and not self._done:
+            self._arm()
+
+    # -- statements ----------------------------------------------------------------
 
     async def prepare(self) -> None:
         # Session locks are taken outside transactions: a pooled connection
         # without autocommit gets it for the holder's lifetime.
         if not self.conn.autocommit:
-            await self.conn.set_autocommit(True)
+            self._enter()
+            try:
+                await self.conn.set_autocommit(True)
+            finally:
+                self._leave()
             self._restore_autocommit = True
 
     async def fetchval(self, sql: str, *args: Any) -> Any:
-        cur = await self.conn.execute(to_pyformat(sql), args or None)
-        row = await cur.fetchone()
+        row = await self.fetchrow(sql, *args)
         return None if row is None else row[0]
 
+    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        self._enter()
+        try:
+            cur = await self.conn.execute(to_pyformat(sql), args or None)
+            row: tuple[Any, ...] | None = await cur.fetchone()
+        finally:
+            self._leave()
+        return row
+
     async def execute(self, sql: str) -> None:
-        await self.conn.execute(sql)
+        self._enter()
+        try:
+            await self.conn.execute(sql)
+        finally:
+            self._leave()
+
+    def announced_pid(self) -> int | None:
+        return int(self.conn.info.backend_pid)
+
+    # -- ending --------------------------------------------------------------------
+
+    def terminate(self) -> None:
+        self._done = True
+        self._disarm()
+        pgconn = self.conn.pgconn
+        if pgconn.status != self._ok:
+            return
+        if not self._busy:
+            # Not conn.close(): with a pool's close_returns that would return it.
+            # finish() sends Terminate without blocking and closes the socket;
+            # the connection then reads as closed to psycopg and to its pool.
+            pgconn.finish()
+            return
+        # A statement is in flight and psycopg waits on this socket: closing
+        # the descriptor under the wait would strand it. Shut the socket down
+        # instead: the server sees end of file and ends the session, the wait
+        # sees it too and libpq closes the socket in order; the rest is
+        # finished when the last statement is over.
+        self._finish_when_idle = True
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def abort(self) -> None:
+        self._done = True
+        self._disarm()
+        pgconn = self.conn.pgconn
+        if pgconn.status != self._ok:
+            return
+        # The wait in flight has a reader or writer on this socket: take them
+        # off first (its own finally then finds nothing to remove), so no
+        # registration outlives the descriptor; the cancellation wakes it. A
+        # closed connection also keeps psycopg < 3.2 from sending a blocking
+        # cancel request over a network that may not answer.
+        fd = pgconn.socket
+        loop = self._loop or asyncio.get_running_loop()
+        loop.remove_reader(fd)
+        loop.remove_writer(fd)
+        pgconn.finish()
 
     async def close_now(self) -> None:
-        await self.conn.close()
+        self.terminate()
+        if self._busy:
+            # The statements in flight end at once on the closed socket.
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            self._idle.clear()
+            await self._idle.wait()
+        if self._lender is not None:
+            await self._lender.discard(self.conn)
 
     async def give_back(self) -> None:
+        self._done = True
+        self._disarm()
         if self._restore_autocommit and not self.conn.closed:
             await self.conn.set_autocommit(False)
-        if self._give_back is None:
+        if self._lender is None:
             await self.conn.close()
         else:
-            await self._give_back(self.conn)
+            await self._lender.give_back(self.conn)
 
 
-def _wrap(driver_conn: Any, give_back: Callable[[Any], Any] | None) -> HolderConnection:
+def _wrap(driver_conn: Any, lender: Lender | None) -> HolderConnection:
     module = type(driver_conn).__module__.partition(".")[0]
     if module == "asyncpg":
-        return _Asyncpg(driver_conn, give_back)
+        return _Asyncpg(driver_conn, lender)
     if module == "psycopg":
-        return _Psycopg(driver_conn, give_back)
+        return _Psycopg(driver_conn, lender)
     raise UnsupportedConnection(f"LockHolder cannot use a {type(driver_conn).__qualname__}")
 
 
+# -- sources ---------------------------------------------------------------------------
+
 class ConnectionSource(ABC):
     @abstractmethod
-    async def open(self) -> HolderConnection: ...
+    async def open(self) -> HolderConnection:
+        """A connection, waiting for it as any borrower of the pool would."""
+
+    @abstractmethod
+    async def open_now(self) -> HolderConnection | None:
+        """A connection if one can be had without waiting for another borrower
+        to give one back; None otherwise."""
 
 
 class DsnSource(ConnectionSource):
@@ -130,7 +414,7 @@ class DsnSource(ConnectionSource):
         if self.driver == "asyncpg":
             import asyncpg
 
-            return _Asyncpg(await asyncpg.connect(self.dsn), None)
+            return _wrap(await asyncpg.connect(self.dsn), None)
         import psycopg
 
         idle = max(1, int(self.keepalive / 2))
@@ -139,38 +423,155 @@ class DsnSource(ConnectionSource):
             keepalives_interval=max(1, idle // 2), keepalives_count=3,
             tcp_user_timeout=int(self.keepalive * 1000),
         )
-        return _Psycopg(conn, None)
+        return _wrap(conn, None)
+
+    async def open_now(self) -> HolderConnection:
+        return await self.open()
+
+
+class _AsyncpgLender(Lender):
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    async def give_back(self, driver_conn: Any) -> None:
+        await self.pool.release(driver_conn)
+
+    async def discard(self, driver_conn: Any) -> None:
+        # A terminated connection's holder goes back to the pool, which opens
+        # a new connection for the next borrower.
+        await self.pool.release(driver_conn)
 
 
 class AsyncpgPoolSource(ConnectionSource):
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self._lender = _AsyncpgLender(pool)
 
     async def open(self) -> HolderConnection:
-        return _Asyncpg(await self.pool.acquire(), self.pool.release)
+        return _wrap(await self.pool.acquire(), self._lender)
+
+    async def open_now(self) -> HolderConnection | None:
+        pool = self.pool
+        if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
+            return None
+        try:
+            conn = await pool.acquire(timeout=LEND_TIMEOUT)
+        except TimeoutError:
+            return None
+        return _wrap(conn, self._lender)
+
+
+class _PsycopgLender(Lender):
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    async def give_back(self, driver_conn: Any) -> None:
+        await self.pool.putconn(driver_conn)
+
+    async def discard(self, driver_conn: Any) -> None:
+        # putconn() sees a closed connection, drops it and opens a replacement.
+        await self.pool.putconn(driver_conn)
 
 
 class PsycopgPoolSource(ConnectionSource):
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self._lender = _PsycopgLender(pool)
 
     async def open(self) -> HolderConnection:
-        return _Psycopg(await self.pool.getconn(), self.pool.putconn)
+        import psycopg_pool
+
+        try:
+            conn = await self.pool.getconn()
+        except psycopg_pool.PoolTimeout as exc:
+            raise PoolExhausted(
+                f"the psycopg pool lent no connection to LockHolder within its timeout: {exc}"
+            ) from exc
+        return _wrap(conn, self._lender)
+
+    async def open_now(self) -> HolderConnection | None:
+        import psycopg_pool
+
+        pool = self.pool
+        stats = pool.get_stats()
+        if stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= pool.max_size:
+            return None
+        try:
+            conn = await pool.getconn(timeout=LEND_TIMEOUT)
+        except psycopg_pool.PoolTimeout:
+            return None
+        return _wrap(conn, self._lender)
+
+
+class _SQLAlchemyLender(Lender):
+    def __init__(self, sa_conn: Any) -> None:
+        self.sa_conn = sa_conn
+
+    async def give_back(self, driver_conn: Any) -> None:
+        await self.sa_conn.close()
+
+    async def discard(self, driver_conn: Any) -> None:
+        # invalidate() drops the pool's record of this connection (the driver
+        # connection is already closed, so its own close returns at once).
+        try:
+            await self.sa_conn.invalidate()
+        finally:
+            await self.sa_conn.close()
 
 
 class SQLAlchemySource(ConnectionSource):
     def __init__(self, engine: Any) -> None:
+        from sqlalchemy.pool import SingletonThreadPool, StaticPool
+
+        if isinstance(engine.pool, StaticPool | SingletonThreadPool):
+            raise UnsupportedConnection(
+                f"LockHolder cannot use an engine with a {type(engine.pool).__name__}: it hands "
+                "the same connection to every borrower, so session locks would be shared with "
+                "them; use the default pool or NullPool"
+            )
         self.engine = engine
 
     async def open(self) -> HolderConnection:
-        sa_conn = await self.engine.connect()
+        from sqlalchemy.exc import TimeoutError as SATimeout
+
+        try:
+            sa_conn = await self.engine.connect()
+        except SATimeout as exc:
+            raise PoolExhausted(
+                f"the SQLAlchemy pool lent no connection to LockHolder within its timeout: {exc}"
+            ) from exc
+        return await self._adopt(sa_conn)
+
+    def _can_lend_now(self) -> bool:
+        from sqlalchemy.pool import NullPool, QueuePool
+
+        pool = self.engine.pool
+        if isinstance(pool, NullPool):
+            return True
+        if isinstance(pool, QueuePool):
+            # QueuePool keeps its overflow limit private; without it, ask anyway.
+            max_overflow = getattr(pool, "_max_overflow", None)
+            if not isinstance(max_overflow, int):
+                return True
+            return pool.checkedin() > 0 or max_overflow < 0 or pool.overflow() < max_overflow
+        return True
+
+    async def open_now(self) -> HolderConnection | None:
+        from sqlalchemy.exc import TimeoutError as SATimeout
+
+        if not self._can_lend_now():
+            return None
+        try:
+            async with asyncio.timeout(LEND_TIMEOUT):
+                sa_conn = await self.engine.connect()
+        except (TimeoutError, SATimeout):
+            return None
+        return await self._adopt(sa_conn)
+
+    async def _adopt(self, sa_conn: Any) -> HolderConnection:
         try:
             raw = await sa_conn.get_raw_connection()
-
-            async def give_back(_driver_conn: Any) -> None:
-                await sa_conn.close()
-
-            return _wrap(raw.driver_connection, give_back)
+            return _wrap(raw.driver_connection, _SQLAlchemyLender(sa_conn))
         except BaseException:
             await sa_conn.invalidate()
             await sa_conn.close()
@@ -210,13 +611,32 @@ def connection_source(source: Any, driver: str | None, keepalive: float) -> Conn
 async def behind_transaction_pooler(source: ConnectionSource, conn: HolderConnection) -> bool:
     """Whether ``conn`` reaches the server through a transaction-mode pooler.
 
-    Behind PgBouncer in transaction mode a client's statements may run on
-    different server sessions, and an idle client's server session is handed
-    to the next client. So: ask a second client from the same source for its
-    server pid, then ask ``conn`` again. The pid must stay put, and must not be
-    the one the second client got. ``conn.backend_pid`` must already be set.
+    First, on ``conn`` alone: the server announces its process id when the
+    connection is made, and ``pg_backend_pid()`` reports the process that runs
+    the session. When the two agree nothing between us switches server sessions
+    (a pooler announces an id of its own), and no other connection is needed.
+    ``conn.backend_pid`` must already be set.
+
+    When they differ a pooler is in between, and only its mode matters: behind
+    PgBouncer in transaction mode a client's statements may run on different
+    server sessions, and an idle client's server session is handed to the next
+    client. So a second client from the same source asks for its server pid,
+    then ``conn`` asks again: the pid must stay put, and must not be the one the
+    second client got. The second client is taken with ``open_now()``; a pool
+    that has none to lend at once gets ``UnsupportedConnection`` (it cannot be
+    told from a transaction-mode one), never a wait on the pool.
     """
-    other = await source.open()
+    if conn.announced_pid() == conn.backend_pid:
+        return False
+    other = await source.open_now()
+    if other is None:
+        raise UnsupportedConnection(
+            "there is a pooler between this pool and the server (the server process that runs "
+            "the session is not the one announced at connect), and telling a session-mode "
+            "pooler from a transaction-mode one needs a second connection for a moment, which "
+            "the pool had none of to lend: give the pool room for one more connection, or "
+            "pass a DSN"
+        )
     try:
         await other.prepare()
         # Other clients of the pooler may be busy at the same moment and change

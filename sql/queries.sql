@@ -95,6 +95,60 @@ SELECT pg_catalog.pg_advisory_unlock_all()
 SELECT count(*) FROM pg_catalog.pg_locks
 WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
 
+-- name: holder_setup_saving
+-- holder_setup for a borrowed connection: also returns what it changes, so the
+-- connection can go back exactly as it came (holder_give_back). For each name,
+-- its session-level value, or NULL where it had none (set_config with NULL goes
+-- back to the connection's default). The MATERIALIZED CTE is read before any
+-- set_config of the outer query runs.
+WITH previous AS MATERIALIZED (
+    SELECT pg_catalog.array_agg(name ORDER BY name) AS names,
+           pg_catalog.array_agg(CASE WHEN source = 'session' THEN setting END ORDER BY name)
+               AS settings
+    FROM pg_catalog.pg_settings
+    WHERE name IN ('application_name', 'tcp_keepalives_idle', 'tcp_keepalives_interval',
+                   'tcp_keepalives_count', 'tcp_user_timeout')
+)
+SELECT pg_catalog.pg_backend_pid(), previous.names, previous.settings,
+       pg_catalog.set_config('application_name', $1, false),
+       pg_catalog.set_config('tcp_keepalives_idle', $2, false),
+       pg_catalog.set_config('tcp_keepalives_interval', $3, false),
+       pg_catalog.set_config('tcp_keepalives_count', '3', false),
+       pg_catalog.set_config('tcp_user_timeout', $4, false)
+FROM previous
+
+-- name: holder_give_back
+-- Before a borrowed connection goes back: release every advisory lock of the
+-- session, put back the settings holder_setup_saving changed ($1 names, $2
+-- values), and count the advisory locks left, which must be 0. One round trip;
+-- the FROM subquery (volatile, so never flattened) runs before the counts.
+SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks
+        WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()) AS advisory_left,
+       (SELECT pg_catalog.count(pg_catalog.set_config(s.name, s.setting, false))
+        FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[]))
+             AS s(name, setting)) AS restored
+FROM (SELECT pg_catalog.pg_advisory_unlock_all()) AS released
+
+-- name: holder_unlocks
+-- Deferred unlocks of a LockHolder session: $1 exclusive keys, $2 shared keys.
+-- The count is of unlocks that found no such lock held (0 when all is well).
+SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($1::bigint[]) AS k
+        WHERE NOT pg_catalog.pg_advisory_unlock(k))
+     + (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($2::bigint[]) AS k
+        WHERE NOT pg_catalog.pg_advisory_unlock_shared(k))
+
+-- name: holder_unlocks_then_try
+-- A try for the next lock ({fn} on key $1) after holder_unlocks ($2 exclusive,
+-- $3 shared keys), in one round trip. The unlocks run first (a volatile FROM
+-- subquery is never flattened, and is read before the outer target list), so
+-- another session waiting for a key we release gets it before our own try
+-- could take it again.
+SELECT pg_catalog.{fn}($1), released.failed
+FROM (SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($2::bigint[]) AS k
+              WHERE NOT pg_catalog.pg_advisory_unlock(k))
+           + (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($3::bigint[]) AS k
+              WHERE NOT pg_catalog.pg_advisory_unlock_shared(k)) AS failed) AS released
+
 -- name: lease_acquire
 SELECT fence, expires_at FROM pgcoord.lease_acquire($1, $2, $3, $4)
 

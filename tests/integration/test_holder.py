@@ -81,7 +81,8 @@ async def test_a_borrowed_connection_goes_back_holding_nothing(kind: str, dsn: s
             # A lock the body forgot to release by hand, taken behind pgcoord's back.
             main = holder._main
             assert main is not None
-            await main.fetchval("select pg_advisory_lock(78)")
+            async with main._io:  # one statement at a time on the holder's connection
+                await main.conn.fetchval("select pg_advisory_lock(78)")
         assert advisory_locks(dsn) == []
         # The pooled connections no longer carry the holder's settings (RESET, or closed).
         with psycopg.connect(dsn, autocommit=True) as admin:
@@ -203,6 +204,7 @@ async def test_two_hundred_cancels_racing_grants_leave_no_lock(dsn: str) -> None
                     await asyncio.sleep(rng.uniform(0, 0.002))
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+                await holder.flush()  # a lock left normally is released on the loop's next turn
                 assert held_by(dsn, holder.backend_pid) == [], f"iteration {i}"
         assert advisory_locks(dsn) == []
     finally:
