@@ -1,4 +1,10 @@
 -- Reverses 0004.
+DROP FUNCTION pgcoord.job_expire_member_claims(integer);
+DROP FUNCTION pgcoord.lease_renew_asking(text, text, bigint, bigint);
+DROP FUNCTION pgcoord.request_resign(text);
+DROP TRIGGER lease_news ON pgcoord.leases;
+DROP FUNCTION pgcoord.lease_news();
+ALTER TABLE pgcoord.leases DROP COLUMN resign_requested_at;
 DROP FUNCTION pgcoord.member_heartbeat(integer);
 DROP FUNCTION pgcoord.member_reap(integer);
 DROP FUNCTION pgcoord.member_leave(integer);

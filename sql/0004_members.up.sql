@@ -206,3 +206,81 @@ CREATE FUNCTION pgcoord.member_heartbeat(member_id integer) RETURNS boolean
         RETURN true;
     END
     $body$;
+
+-- Lease news for electors and observers: every change of holder (an acquisition,
+-- a takeover, a release) and every resign request is told on one channel, from
+-- a trigger so that no path that writes a lease can forget to.
+ALTER TABLE pgcoord.leases ADD COLUMN resign_requested_at timestamptz;
+
+CREATE FUNCTION pgcoord.lease_news() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $body$
+    BEGIN
+        IF TG_OP = 'UPDATE' AND NEW.fence IS DISTINCT FROM OLD.fence THEN
+            NEW.resign_requested_at := NULL;   -- a request is for the term it was made in
+        END IF;
+        IF TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence
+           OR NEW.holder IS DISTINCT FROM OLD.holder THEN
+            PERFORM pg_catalog.pg_notify('pgcoord_leases', pg_catalog.json_build_object(
+                'ev', CASE WHEN NEW.holder IS NULL THEN 'released' ELSE 'acquired' END,
+                'name', NEW.name, 'holder', NEW.holder, 'fence', NEW.fence)::text);
+        ELSIF NEW.resign_requested_at IS NOT NULL AND OLD.resign_requested_at IS NULL THEN
+            PERFORM pg_catalog.pg_notify('pgcoord_leases', pg_catalog.json_build_object(
+                'ev', 'resign', 'name', NEW.name, 'holder', NEW.holder, 'fence', NEW.fence)::text);
+        END IF;
+        RETURN NEW;
+    END
+    $body$;
+
+CREATE TRIGGER lease_news BEFORE INSERT OR UPDATE ON pgcoord.leases
+    FOR EACH ROW EXECUTE FUNCTION pgcoord.lease_news();
+
+-- Ask the current holder of a lease to step down gracefully (deploys). True when
+-- there was a live holder to ask. An elector sees the request at once (NOTIFY)
+-- or at its next renewal.
+CREATE FUNCTION pgcoord.request_resign(lease_name text) RETURNS boolean
+    LANGUAGE sql
+    AS $body$
+        WITH asked AS (
+            UPDATE pgcoord.leases AS l
+               SET resign_requested_at = coalesce(l.resign_requested_at, pg_catalog.clock_timestamp())
+             WHERE l.name = lease_name AND l.holder IS NOT NULL
+               AND l.expires_at > pg_catalog.clock_timestamp()
+            RETURNING 1
+        )
+        SELECT EXISTS (SELECT 1 FROM asked)
+    $body$;
+
+-- lease_renew that also says whether a resign was requested for this term.
+CREATE FUNCTION pgcoord.lease_renew_asking(
+    lease_name text, lease_holder text, lease_fence bigint, ttl_ms bigint
+) RETURNS TABLE (expires_at timestamptz, resign boolean)
+    LANGUAGE sql
+    AS $body$
+        UPDATE pgcoord.leases AS l
+           SET renewed_at = pg_catalog.clock_timestamp(),
+               expires_at = pg_catalog.clock_timestamp() + ttl_ms * interval '1 millisecond'
+         WHERE l.name = lease_name AND l.holder = lease_holder AND l.fence = lease_fence
+           AND l.expires_at > pg_catalog.clock_timestamp()
+        RETURNING l.expires_at, l.resign_requested_at IS NOT NULL
+    $body$;
+
+-- Job claims tied to a member: a scheduler with a member runs its slots as
+-- runner '<member name>/<member id>'. When that member is gone its running
+-- claims expire now, so the next tick abandons or retries them (per the job's
+-- on_crash) instead of after the claim's ttl. Returns how many.
+CREATE FUNCTION pgcoord.job_expire_member_claims(member_id integer) RETURNS integer
+    LANGUAGE sql
+    AS $body$
+        WITH expired AS (
+            UPDATE pgcoord.job_slots AS s
+               SET claim_expires_at = pg_catalog.clock_timestamp()
+             WHERE s.state = 'running'
+               AND pg_catalog.right(s.runner, pg_catalog.length('/' || member_id::text))
+                   = '/' || member_id::text
+               AND s.claim_expires_at > pg_catalog.clock_timestamp()
+               AND NOT EXISTS (SELECT 1 FROM pgcoord.members AS m WHERE m.id = member_id)
+            RETURNING 1
+        )
+        SELECT count(*)::integer FROM expired
+    $body$;
