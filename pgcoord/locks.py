@@ -7,7 +7,6 @@ it behind. Timeouts are the server's ``lock_timeout``, never client polling.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -16,8 +15,7 @@ from types import TracebackType
 from typing import Any, NoReturn
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
-from ._drivers import check_source, tx_session
+from ._drivers import check_source, release_async, release_sync, tx_session
 from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
 from ._keys import LockKeyLike, key_and_name
 from ._queries import query
@@ -184,7 +182,8 @@ class ExclusiveLock:
             else:
                 await session.begin_locked(self.request.statement)
         except BaseException as exc:
-            await finish_despite_cancel(self._abort_async(session))
+            self._session = None
+            await release_async(session, rollback=not self._joined)
             self.request.raise_translated(exc)
         self.wait_seconds = time.monotonic() - started
         metrics.lock_wait(self.request.metric_name, self.wait_seconds)
@@ -194,25 +193,26 @@ class ExclusiveLock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Every way out ends in release_async(): a rollback and a give-back bounded
+        # by CLEANUP_TIMEOUT that leave the caller its own outcome.
         session, self._session = self._session, None
         assert isinstance(session, AsyncTxSession)
         if self._joined:
             return  # the lock belongs to the caller's transaction
         if exc_type is not None:
-            await finish_despite_cancel(self._abort_async(session))
+            await release_async(session, rollback=True)
             return
         if not session.in_transaction():
-            await finish_despite_cancel(self._abort_async(session))
+            await release_async(session, rollback=True)
             raise self.request.ended_early()
         try:
+            # Not bounded: the COMMIT is the body's own outcome, and may wait
+            # (deferred triggers) as long as any statement of the body.
             await session.commit()
         except BaseException:
-            await finish_despite_cancel(self._abort_async(session))
+            await release_async(session, rollback=True)
             raise
-        if session.checkin_shielded_by_driver:
-            await session.checkin()
-        else:
-            await finish_despite_cancel(session.checkin())
+        await release_async(session, rollback=False)
 
     async def _record_name_async(self, session: AsyncTxSession) -> None:
         assert self.request.name is not None
@@ -223,20 +223,6 @@ class ExclusiveLock:
         except Exception as exc:  # best effort: missing schema, no privilege, read-only
             log.debug("lock name %r not recorded: %s", self.request.name, exc)
         self._name_recorded()
-
-    async def _abort_async(self, session: AsyncTxSession) -> None:
-        """Roll back (never joined) and give the connection back, or discard it."""
-        self._session = None
-        try:
-            if not self._joined:
-                try:
-                    async with asyncio.timeout(CLEANUP_TIMEOUT):
-                        await session.rollback()
-                except BaseException as exc:
-                    log.warning("discarding connection after failed rollback: %r", exc)
-                    await session.discard()
-        finally:
-            await session.checkin()
 
     # -- sync ------------------------------------------------------------------
 
@@ -254,7 +240,8 @@ class ExclusiveLock:
             else:
                 session.begin_locked(self.request.statement)
         except BaseException as exc:
-            self._abort_sync(session)
+            self._session = None
+            release_sync(session, rollback=not self._joined)
             self.request.raise_translated(exc)
         self.wait_seconds = time.monotonic() - started
         metrics.lock_wait(self.request.metric_name, self.wait_seconds)
@@ -269,17 +256,17 @@ class ExclusiveLock:
         if self._joined:
             return
         if exc_type is not None:
-            self._abort_sync(session)
+            release_sync(session, rollback=True)
             return
         if not session.in_transaction():
-            self._abort_sync(session)
+            release_sync(session, rollback=True)
             raise self.request.ended_early()
         try:
             session.commit()
         except BaseException:
-            self._abort_sync(session)
+            release_sync(session, rollback=True)
             raise
-        session.checkin()
+        release_sync(session, rollback=False)
 
     def _record_name_sync(self, session: SyncTxSession) -> None:
         assert self.request.name is not None
@@ -290,17 +277,5 @@ class ExclusiveLock:
         except Exception as exc:
             log.debug("lock name %r not recorded: %s", self.request.name, exc)
         self._name_recorded()
-
-    def _abort_sync(self, session: SyncTxSession) -> None:
-        self._session = None
-        try:
-            if not self._joined:
-                try:
-                    session.rollback()
-                except BaseException as exc:
-                    log.warning("discarding connection after failed rollback: %r", exc)
-                    session.discard()
-        finally:
-            session.checkin()
 
 

@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import asyncpg
 import asyncpg.pool
 from asyncpg.transaction import Transaction, TransactionState
 
+from .. import _aio
 from .base import AsyncTxSession, LockStatement, begin_and_lock
+
+log = logging.getLogger("pgcoord")
 
 CONNECTION_TYPES = (asyncpg.Connection, asyncpg.pool.PoolConnectionProxy)
 POOL_TYPES = (asyncpg.Pool,)
 
 
 def _raw(conn: Any) -> Any:
-    """The real Connection behind a pool proxy (the proxy forwards reads only)."""
+    """The real Connection behind a pool proxy (the proxy forwards reads only);
+    a released proxy (asyncpg detaches it) is returned as it is."""
     return getattr(conn, "_con", None) or conn
 
 
-# Whether asyncpg still keeps its transaction where begin_locked_adopted() puts it.
-_ADOPTABLE = "_top_xact" in getattr(asyncpg.Connection, "__slots__", ()) and hasattr(Transaction, "start")
+def _slots(cls: type) -> set[str]:
+    return {name for c in cls.__mro__ for name in getattr(c, "__slots__", ())}
+
+
+def _adoption_supported() -> bool:
+    """Whether asyncpg keeps its transaction where begin_locked_adopted() puts it.
+
+    Two private attributes are involved: ``Connection._top_xact``, the transaction
+    asyncpg started (it makes ``conn.transaction()`` a savepoint and lets
+    ``Transaction.commit()`` end it), and ``Transaction._state``. asyncpg 0.29 to
+    0.32 have both; if a release moves them, pgcoord takes the public path
+    (``conn.transaction()``, one more round trip) and
+    tests/integration/test_exclusive_internals.py fails to say so.
+    """
+    return (
+        "_top_xact" in _slots(asyncpg.Connection)
+        and "_state" in _slots(Transaction)
+        and isinstance(getattr(TransactionState, "STARTED", None), TransactionState)
+        and callable(getattr(Transaction, "start", None))
+    )
+
+
+_ADOPTABLE = _adoption_supported()
 
 
 def can_adopt(conn: Any) -> bool:
@@ -44,8 +70,9 @@ async def begin_locked_adopted(conn: Any, message: str) -> Transaction:
 
 
 class AsyncpgSession(AsyncTxSession):
-    # Pool.release() runs under asyncio.shield inside asyncpg.
-    checkin_shielded_by_driver = True
+    # Pool.release() runs under asyncio.shield inside asyncpg, and with a timeout
+    # it terminates a connection whose reset runs past it.
+    checkin_bounded_by_driver = True
 
     def __init__(self, source: Any) -> None:
         self._pool: asyncpg.Pool | None = source if isinstance(source, POOL_TYPES) else None
@@ -53,10 +80,12 @@ class AsyncpgSession(AsyncTxSession):
         # The Connection itself: a pool proxy's methods cost a dispatch each.
         self._raw: Any = None if self.conn is None else _raw(self.conn)
         self._tx: Transaction | None = None
+        # The pool's proxy, kept after release: asyncpg detaches it then.
+        self._proxy: Any = None
 
     async def checkout(self) -> Any:
         if self._pool is not None:
-            self.conn = await self._pool.acquire()
+            self.conn = self._proxy = await self._pool.acquire()
             self._raw = _raw(self.conn)
         return self.conn
 
@@ -103,4 +132,16 @@ class AsyncpgSession(AsyncTxSession):
     async def checkin(self) -> None:
         if self._pool is not None and self.conn is not None:
             conn, self.conn = self.conn, None
-            await self._pool.release(conn)
+            try:
+                await self._pool.release(conn, timeout=_aio.CLEANUP_TIMEOUT)
+            except Exception as exc:  # the reset failed or timed out: asyncpg terminated it
+                log.warning("pgcoord: connection closed, its reset on release failed: %r", exc)
+
+    def sever(self) -> None:
+        self._tx = None
+        raw = self._raw
+        if raw is None:
+            return
+        if self._pool is not None and self._proxy is not None and _raw(self._proxy) is not raw:
+            return  # its release finished meanwhile: it belongs to the pool again
+        raw.terminate()  # for a pooled connection this also frees its slot in the pool

@@ -61,9 +61,10 @@ def begin_and_lock(
 class AsyncTxSession(ABC):
     #: The driver's own connection object handed to the ``async with`` body.
     conn: Any
-    #: True when the driver's own give-back already survives cancellation, so
-    #: pgcoord need not shield it (a shield costs a task per acquire).
-    checkin_shielded_by_driver: bool = False
+    #: True when the driver's own give-back already survives cancellation and is
+    #: bounded by ``CLEANUP_TIMEOUT`` (closing the connection past it), so pgcoord
+    #: need not run it in a task of its own (that costs a task per acquire).
+    checkin_bounded_by_driver: bool = False
 
     @abstractmethod
     def __init__(self, source: Any) -> None: ...
@@ -100,6 +101,12 @@ class AsyncTxSession(ABC):
     async def checkin(self) -> None:
         """Give a checked-out connection back; nothing for a connection we were given."""
 
+    @abstractmethod
+    def sever(self) -> None:
+        """Cut the connection now, without waiting for anything: a cleanup on it ran
+        past its bound. The server ends the session (and its locks) when it sees the
+        socket close; the driver sees the connection closed, so a pool drops it."""
+
 
 class SyncTxSession(ABC):
     conn: Any
@@ -133,3 +140,8 @@ class SyncTxSession(ABC):
 
     @abstractmethod
     def checkin(self) -> None: ...
+
+    @abstractmethod
+    def sever(self) -> None:
+        """Shut the connection's socket down; callable from another thread, where a
+        watchdog uses it to end a rollback that does not return."""

@@ -16,6 +16,9 @@ cannot run a multi-statement message, and takes BEGIN and the lock separately.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
@@ -53,6 +56,52 @@ def _one_message(conn: Any, lock: LockStatement) -> str | None:
     level = conn.isolation_level
     isolation = None if level is None else psycopg.IsolationLevel(level).name.replace("_", " ")
     return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
+
+
+def sever_async(conn: Any) -> None:
+    """Close an async connection's libpq connection at once, from the event loop.
+
+    The socket goes with it (the server ends the session and its locks); psycopg
+    then finds the connection closed and a pool drops it. The loop's watch on the
+    socket is removed first, so that a later socket that gets the same descriptor
+    number is not mistaken for this one. A socket shutdown alone would not do:
+    psycopg before 3.2 answers the cancellation of an abandoned cleanup with a
+    blocking PQcancel, a network round trip on the event loop's thread, which a
+    closed connection (no cancel key) avoids.
+    """
+    pgconn = conn.pgconn
+    try:
+        fd = pgconn.socket
+    except Exception:  # already closed
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None:
+        loop.remove_reader(fd)
+        loop.remove_writer(fd)
+    pgconn.finish()
+
+
+def sever_sync(conn: Any) -> None:
+    """Shut a sync connection's socket down, from any thread.
+
+    A statement blocked on it returns with an error at once and psycopg marks the
+    connection broken; the descriptor stays open (psycopg closes it), so no other
+    socket can take its number while that statement still waits on it.
+    """
+    try:
+        fd = conn.pgconn.socket
+        sock = socket.socket(fileno=os.dup(fd))
+    except Exception:  # already closed
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 class AsyncOneTrip:
@@ -171,15 +220,18 @@ class AsyncPsycopgSession(AsyncTxSession):
             await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
 
     async def commit(self) -> None:
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            await trip.commit()
+        # The trip is kept until it has switched autocommit back: after a failed
+        # COMMIT (deferred constraint, serialization failure, cancellation) the
+        # rollback that follows must still do it.
+        if self._trip is not None:
+            await self._trip.commit()
+            self._trip = None
 
     async def rollback(self) -> None:
         assert self.conn is not None
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            await trip.rollback()
+        if self._trip is not None:
+            await self._trip.rollback()
+            self._trip = None
         elif _in_transaction(self.conn):
             await self.conn.rollback()
 
@@ -192,6 +244,10 @@ class AsyncPsycopgSession(AsyncTxSession):
         if self._pool is not None and self.conn is not None:
             conn, self.conn = self.conn, None
             await self._pool.putconn(conn)
+
+    def sever(self) -> None:
+        if self.conn is not None:
+            sever_async(self.conn)
 
 
 class SyncPsycopgSession(SyncTxSession):
@@ -225,15 +281,15 @@ class SyncPsycopgSession(SyncTxSession):
             self.conn.execute(to_pyformat(lock.bound), lock.params or None)
 
     def commit(self) -> None:
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            trip.commit()
+        if self._trip is not None:  # kept until autocommit is back; see the async twin
+            self._trip.commit()
+            self._trip = None
 
     def rollback(self) -> None:
         assert self.conn is not None
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            trip.rollback()
+        if self._trip is not None:
+            self._trip.rollback()
+            self._trip = None
         elif _in_transaction(self.conn):
             self.conn.rollback()
 
@@ -246,6 +302,11 @@ class SyncPsycopgSession(SyncTxSession):
         if self._pool is not None and self.conn is not None:
             conn, self.conn = self.conn, None
             self._pool.putconn(conn)
+
+    def sever(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            sever_sync(conn)
 
 
 class _Rollback(Exception):

@@ -15,6 +15,7 @@ pgcoord refuses it there.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
@@ -23,6 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransactio
 from .._queries import to_named
 from ..errors import UnsupportedConnection
 from .base import ISOLATION_LEVELS, AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
+
+log = logging.getLogger("pgcoord")
 
 ASYNC_TYPES = (AsyncEngine, AsyncConnection)
 SYNC_TYPES = (Engine, Connection)
@@ -37,10 +40,55 @@ def _driver_module(driver_conn: Any) -> str:
     return type(driver_conn).__module__.partition(".")[0]
 
 
+def asyncpg_adapter_protocol(adapter_cls: type) -> str | None:
+    """How SQLAlchemy's asyncpg adapter class tracks the transaction it began, so
+    that pgcoord can hand it the one it opened together with the lock:
+
+    - ``"transaction"`` (SQLAlchemy 2.1): ``_transaction`` alone; the adapter
+      begins before a statement when it is None and commits or rolls back when it
+      is set.
+    - ``"started"`` (SQLAlchemy 2.0): ``_transaction`` and a ``_started`` flag; it
+      begins when the flag is False and commits only when it is True. Setting
+      ``_transaction`` alone there left the flag False: the body's first statement
+      began a savepoint, COMMIT released only that, and the lock, the writes and
+      an open transaction stayed on the pooled connection.
+    - None: neither; pgcoord lets SQLAlchemy begin (one more round trip).
+
+    Both attributes are private; tests/integration/test_exclusive_internals.py
+    fails when the installed SQLAlchemy has neither shape, and the commit checks
+    the driver's own transaction status after the adapter's COMMIT.
+    """
+    try:
+        return _protocols[adapter_cls]
+    except KeyError:
+        pass
+    slots = {name for c in adapter_cls.__mro__ for name in getattr(c, "__slots__", ())}
+    protocol = None if "_transaction" not in slots else "started" if "_started" in slots else "transaction"
+    _protocols[adapter_cls] = protocol
+    return protocol
+
+
+# Per adapter class, once. An adapter whose COMMIT or ROLLBACK left pgcoord's
+# transaction open is set to None: it takes SQLAlchemy's own BEGIN from then on.
+_protocols: dict[type, str | None] = {}
+
+
+def _adapter_failed(adapter_cls: type, when: str) -> None:
+    _protocols[adapter_cls] = None
+    log.error(
+        "pgcoord: SQLAlchemy's %s did not end the lock's transaction at %s; pgcoord ended it "
+        "itself and lets SQLAlchemy begin its transactions from now on. Please report this "
+        "with your SQLAlchemy version.", adapter_cls.__qualname__, when,
+    )
+
+
 def _asyncpg_adapter_message(adapter: Any, lock: LockStatement) -> str | None:
     """``BEGIN; <lock>`` as SQLAlchemy's asyncpg adapter would begin, or None
     when the adapter is not one whose transaction pgcoord knows how to set."""
-    if not hasattr(adapter, "_transaction") or adapter._transaction is not None:
+    protocol = asyncpg_adapter_protocol(type(adapter))
+    if protocol is None or adapter._transaction is not None:
+        return None
+    if protocol == "started" and adapter._started:
         return None
     level = getattr(adapter, "isolation_level", None)
     # "autocommit" still gets a transaction: an xact lock outside one would be
@@ -50,6 +98,12 @@ def _asyncpg_adapter_message(adapter: Any, lock: LockStatement) -> str | None:
         return None
     return begin_and_lock(lock, isolation, getattr(adapter, "readonly", False) or None,
                           getattr(adapter, "deferrable", False) or None)
+
+
+def _still_open(asyncpg_conn: Any) -> bool:
+    """Whether the asyncpg connection is still inside a transaction after
+    SQLAlchemy's adapter ended it (a closed connection is in none)."""
+    return not asyncpg_conn.is_closed() and bool(asyncpg_conn.is_in_transaction())
 
 
 def _refuse_autocommit(dbapi_conn: Any) -> None:
@@ -68,15 +122,28 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         self._engine = source if isinstance(source, AsyncEngine) else None
         self.conn: AsyncConnection | None = None if self._engine else source  # type: ignore[assignment]
         self._tx: AsyncTransaction | None = None
+        # The driver's connection and SQLAlchemy's adapter around it.
+        self._driver: Any = None
+        self._adapter: Any = None
         # psycopg underneath: its autocommit switch, undone after the transaction.
         self._trip: Any = None
         # asyncpg underneath, between sending BEGIN and handing the transaction to
         # SQLAlchemy's adapter: if that fails, only a ROLLBACK sent to it ends it.
         self._unregistered: Any = None
+        # asyncpg underneath, once handed to the adapter: pgcoord's own handle on
+        # that transaction, to end it if the adapter did not.
+        self._adopted: Any = None
 
     async def checkout(self) -> Any:
         if self._engine is not None:
             self.conn = await self._engine.connect()
+        assert self.conn is not None
+        try:
+            raw = await self.conn.get_raw_connection()
+        except BaseException:
+            await self.checkin()
+            raise
+        self._driver, self._adapter = raw.driver_connection, raw.dbapi_connection
         return self.conn
 
     def in_transaction(self) -> bool:
@@ -93,9 +160,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
     async def begin_locked(self, lock: LockStatement) -> None:
         assert self.conn is not None
         self._tx = await self.conn.begin()
-        raw = await self.conn.get_raw_connection()
-        driver: Any = raw.driver_connection
-        adapter: Any = raw.dbapi_connection
+        driver, adapter = self._driver, self._adapter
         module = _driver_module(driver)
         if module == "asyncpg":
             from . import asyncpg as amod
@@ -103,8 +168,11 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             message = _asyncpg_adapter_message(adapter, lock)
             if message is not None and amod.can_adopt(driver):
                 self._unregistered = driver
-                adapter._transaction = await amod.begin_locked_adopted(driver, message)
-                self._unregistered = None
+                tx = await amod.begin_locked_adopted(driver, message)
+                adapter._transaction = tx
+                if asyncpg_adapter_protocol(type(adapter)) == "started":
+                    adapter._started = True
+                self._adopted, self._unregistered = tx, None
                 return
         elif module == "psycopg":
             from . import psycopg as pmod
@@ -121,30 +189,47 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             await self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     async def commit(self) -> None:
-        tx, self._tx = self._tx, None
-        if tx is not None:
-            await tx.commit()
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            await trip.commit()
+        # Each step is forgotten only once it has succeeded: after a COMMIT that
+        # failed, the rollback that follows still has all of them to undo.
+        if self._tx is not None:
+            await self._tx.commit()
+            self._tx = None
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None and _still_open(self._driver):
+            _adapter_failed(type(self._adapter), "COMMIT")
+            await adopted.commit()
+        if self._trip is not None:
+            await self._trip.commit()
+            self._trip = None
 
     async def rollback(self) -> None:
+        assert self.conn is not None
         unregistered, self._unregistered = self._unregistered, None
         if unregistered is not None:
             # Outside a transaction ROLLBACK only warns, so it is safe to send
             # even if the BEGIN never arrived.
             await unregistered.execute("ROLLBACK")
         tx, self._tx = self._tx, None
-        if tx is not None and tx.is_active:
+        sync_conn = self.conn.sync_connection
+        if tx is not None and (tx.is_active or (
+            sync_conn is not None and sync_conn.get_transaction() is tx.sync_transaction
+        )):
+            # The second case is a COMMIT that failed: SQLAlchemy leaves that
+            # transaction inactive but still the connection's, and only its
+            # rollback() lets the connection begin again.
             await tx.rollback()
-        elif self.conn is not None and self.conn.in_transaction():
+        elif self.conn.in_transaction():
             await self.conn.rollback()  # one the body began after ending ours
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            await trip.rollback()
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None and _still_open(self._driver):
+            _adapter_failed(type(self._adapter), "ROLLBACK")
+            await adopted.rollback()
+        if self._trip is not None:
+            await self._trip.rollback()
+            self._trip = None
 
     async def discard(self) -> None:
-        self._tx = self._trip = self._unregistered = None
+        self._tx = self._trip = self._unregistered = self._adopted = None
         if self.conn is not None:
             await self.conn.invalidate()
 
@@ -153,6 +238,16 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             conn, self.conn = self.conn, None
             await conn.close()
 
+    def sever(self) -> None:
+        driver = self._driver
+        module = _driver_module(driver)
+        if module == "asyncpg":
+            driver.terminate()
+        elif module == "psycopg":
+            from . import psycopg as pmod
+
+            pmod.sever_async(driver)
+
 
 class SyncSQLAlchemySession(SyncTxSession):
     def __init__(self, source: Engine | Connection) -> None:
@@ -160,10 +255,17 @@ class SyncSQLAlchemySession(SyncTxSession):
         self.conn: Connection | None = None if self._engine else source  # type: ignore[assignment]
         self._tx: Any = None
         self._trip: Any = None
+        self._driver: Any = None
 
     def checkout(self) -> Any:
         if self._engine is not None:
             self.conn = self._engine.connect()
+        assert self.conn is not None
+        try:
+            self._driver = self.conn.connection.driver_connection
+        except BaseException:
+            self.checkin()
+            raise
         return self.conn
 
     def in_transaction(self) -> bool:
@@ -181,7 +283,7 @@ class SyncSQLAlchemySession(SyncTxSession):
         assert self.conn is not None
         self._tx = self.conn.begin()
         raw = self.conn.connection
-        driver: Any = raw.driver_connection
+        driver: Any = self._driver
         if _driver_module(driver) == "psycopg":
             from . import psycopg as pmod
 
@@ -197,22 +299,23 @@ class SyncSQLAlchemySession(SyncTxSession):
             self.conn.execute(text(to_named(lock.bound)), named_params(lock.params))
 
     def commit(self) -> None:
-        tx, self._tx = self._tx, None
-        if tx is not None:
-            tx.commit()
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            trip.commit()
+        if self._tx is not None:  # each step forgotten once it succeeded; see the async twin
+            self._tx.commit()
+            self._tx = None
+        if self._trip is not None:
+            self._trip.commit()
+            self._trip = None
 
     def rollback(self) -> None:
+        assert self.conn is not None
         tx, self._tx = self._tx, None
-        if tx is not None and tx.is_active:
-            tx.rollback()
-        elif self.conn is not None and self.conn.in_transaction():
+        if tx is not None and (tx.is_active or self.conn.get_transaction() is tx):
+            tx.rollback()  # also closes out a transaction whose COMMIT failed
+        elif self.conn.in_transaction():
             self.conn.rollback()  # one the body began after ending ours
-        trip, self._trip = self._trip, None
-        if trip is not None:
-            trip.rollback()
+        if self._trip is not None:
+            self._trip.rollback()
+            self._trip = None
 
     def discard(self) -> None:
         self._tx = self._trip = None
@@ -223,3 +326,9 @@ class SyncSQLAlchemySession(SyncTxSession):
         if self._engine is not None and self.conn is not None:
             conn, self.conn = self.conn, None
             conn.close()
+
+    def sever(self) -> None:
+        if _driver_module(self._driver) == "psycopg":
+            from . import psycopg as pmod
+
+            pmod.sever_sync(self._driver)

@@ -1,0 +1,251 @@
+"""exclusive() and run_statement() when their cleanup hangs.
+
+Issue #11, item 3: a rollback or a give-back that does not finish must not hold
+the caller past its bound, must not hand it a CancelledError it never asked for,
+and must not return the connection dirty: past the bound the connection is cut
+(so the server ends the session and its locks) and the caller gets its own
+outcome. The bound is ``pgcoord._aio.CLEANUP_TIMEOUT``, lowered here to 0.5 s.
+
+The hangs are real: a proxy that stops forwarding (the network goes silent while
+the body's exception is being rolled back), an asyncpg connection whose reset
+query sleeps on the server, a SQLAlchemy pool whose reset event does the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from sqlalchemy import event
+
+import pgcoord
+from pgcoord import _aio
+from pgcoord._drivers import run_statement
+
+from .conftest import advisory_locks, sql, unique
+from .proxy import FreezableProxy
+from .small_pools import ASYNC_KINDS, observe, open_async, pid_of, state_async
+
+BOUND = 0.5
+SLACK = 2.0  # a loaded two-core machine; the unbounded cases take 30 s or forever
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def short_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_aio, "CLEANUP_TIMEOUT", BOUND)
+
+
+@pytest.fixture
+def proxy(dsn: str) -> Iterator[FreezableProxy]:
+    p = FreezableProxy("127.0.0.1", int(dsn.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+async def _pid(conn: Any) -> int:
+    if hasattr(conn, "exec_driver_sql"):
+        return pid_of((await conn.get_raw_connection()).driver_connection)
+    return pid_of(conn)
+
+
+async def _gone(dsn: str, pid: int, seconds: float = 15.0) -> None:
+    """Until the server has ended backend ``pid`` (and so released its locks)."""
+    for _ in range(int(seconds / 0.05)):
+        if not sql(dsn, "select 1 from pg_stat_activity where pid = %s", pid):
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"backend {pid} still there after {seconds} s")
+
+
+@pytest.mark.parametrize("kind", ASYNC_KINDS)
+async def test_a_rollback_on_a_silent_network_gives_the_caller_its_own_error_in_time(
+    kind: str, dsn: str, proxy: FreezableProxy,
+) -> None:
+    key = unique("hostile")
+    async with open_async(kind, proxy.dsn(dsn)) as source:
+        pid: list[int] = []
+        started = 0.0
+        with pytest.raises(Boom):
+            async with pgcoord.exclusive(source, key) as conn:
+                pid.append(await _pid(conn))
+                assert [k for p, k, _ in advisory_locks(dsn) if p == pid[0]] == [pgcoord.lock_key(key)]
+                proxy.freeze()
+                started = time.monotonic()
+                raise Boom
+        took = time.monotonic() - started
+        assert took < BOUND + SLACK, f"the caller waited {took:.1f} s for a cleanup bounded at {BOUND} s"
+        proxy.frozen.clear()
+        # The connection was cut, not given back dirty: the server ends its session
+        # (and releases the lock), and the source goes on with a new one.
+        await _gone(dsn, pid[0])
+        assert advisory_locks(dsn) == []
+        if "conn" in kind:
+            # A connection the caller passed in is closed: its state is unknown.
+            # (The abandoned rollback finishes in the background: give it a moment.)
+            await _wait_closed(source)
+            return
+        async with asyncio.timeout(20):
+            state = await state_async(kind, source, proxy.dsn(dsn))
+        assert state["pid"] != pid[0]
+        assert state["after"] == ("idle", [])
+        async with pgcoord.exclusive(source, key, wait=False):
+            pass
+
+
+async def _wait_closed(conn: Any) -> None:
+    def closed() -> bool:
+        if hasattr(conn, "invalidated"):
+            return bool(conn.invalidated)
+        if hasattr(conn, "is_closed"):
+            return bool(conn.is_closed())
+        return bool(conn.closed)
+
+    for _ in range(100):
+        if closed():
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{conn!r} is still open")
+
+
+@pytest.mark.parametrize("kind", ASYNC_KINDS)
+async def test_a_caller_cancelled_during_a_hung_rollback_gets_its_cancellation_in_time(
+    kind: str, dsn: str, proxy: FreezableProxy,
+) -> None:
+    """The caller asked for this cancellation: it gets it, and only it, no later
+    than the bound."""
+    key = unique("hostile")
+    async with open_async(kind, proxy.dsn(dsn)) as source:
+        pid: list[int] = []
+        inside = asyncio.Event()
+
+        async def body() -> None:
+            async with pgcoord.exclusive(source, key) as conn:
+                pid.append(await _pid(conn))
+                inside.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(body())
+        await asyncio.wait_for(inside.wait(), 10)
+        proxy.freeze()
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        took = time.monotonic() - started
+        assert took < BOUND + SLACK, f"the cancelled caller waited {took:.1f} s"
+        proxy.frozen.clear()
+        await _gone(dsn, pid[0])
+        assert advisory_locks(dsn) == []
+        if "conn" in kind:
+            await _wait_closed(source)
+
+
+class SlowResetConnection(asyncpg.Connection):  # type: ignore[misc]
+    """An asyncpg connection whose pool reset (run on every give-back) hangs on
+    the server for 30 s. The name asyncpg calls differs by version."""
+
+    def get_reset_query(self) -> str:
+        return "SELECT pg_sleep(30);" + super().get_reset_query()
+
+    def _get_reset_query(self) -> str:
+        return "SELECT pg_sleep(30);" + super()._get_reset_query()
+
+
+def _slow_sa_reset(engine: Any) -> None:
+    """SQLAlchemy runs a pool's reset event on every give-back; this one waits 30 s on the server."""
+    pool = getattr(engine, "sync_engine", engine).pool
+
+    @event.listens_for(pool, "reset", named=True)
+    def reset(**kw: Any) -> None:
+        cur = kw["dbapi_connection"].cursor()
+        cur.execute("select pg_sleep(30)")
+        cur.close()
+
+
+@contextlib.asynccontextmanager
+async def _slow_give_back(kind: str, dsn: str) -> AsyncIterator[Any]:
+    """A source of one connection whose give-back hangs on the server."""
+    if kind == "asyncpg-pool":
+        async with open_async(kind, dsn, asyncpg_class=SlowResetConnection) as source:
+            yield source
+    else:
+        async with open_async(kind, dsn) as source:
+            _slow_sa_reset(source)
+            yield source
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "sa-async-asyncpg", "sa-async-psycopg"])
+@pytest.mark.parametrize("outcome", ["commit", "error"])
+async def test_a_hung_give_back_returns_the_callers_outcome_in_time(
+    kind: str, outcome: str, dsn: str, table: str,
+) -> None:
+    key = unique("hostile")
+    async with _slow_give_back(kind, dsn) as source:
+        pid: list[int] = []
+        started = 0.0
+
+        async def body() -> None:
+            nonlocal started
+            async with pgcoord.exclusive(source, key) as conn:
+                pid.append(await _pid(conn))
+                await _exec(conn, f"insert into {table} values (1)")
+                started = time.monotonic()
+                if outcome == "error":
+                    raise Boom
+
+        if outcome == "error":
+            with pytest.raises(Boom):
+                await body()
+        else:
+            await body()
+        took = time.monotonic() - started
+        assert took < BOUND + SLACK, f"the caller waited {took:.1f} s for a give-back bounded at {BOUND} s"
+        assert sql(dsn, f"select count(*) from {table}") == [(1 if outcome == "commit" else 0,)]
+        # The backend may still sleep in the reset it was given (until it next
+        # writes to its closed socket), but it holds nothing and no transaction.
+        assert observe(dsn, pid[0]) in ((None, []), ("active", []))
+        assert advisory_locks(dsn) == []
+        # The pool's one slot is free again: a new connection, used normally.
+        async with asyncio.timeout(20), pgcoord.exclusive(source, key, wait=False) as conn:
+            assert await _pid(conn) != pid[0]
+            started = time.monotonic()
+        assert time.monotonic() - started < BOUND + SLACK
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "sa-async-asyncpg", "sa-async-psycopg"])
+async def test_run_statement_returns_its_row_when_the_give_back_hangs(kind: str, dsn: str) -> None:
+    async with _slow_give_back(kind, dsn) as source:
+        started = time.monotonic()
+        row = await run_statement(source, "select pg_backend_pid(), cast($1 as int)", (7,))
+        took = time.monotonic() - started
+        assert row is not None and row[1] == 7
+        assert took < BOUND + SLACK, f"run_statement waited {took:.1f} s for its give-back"
+        assert observe(dsn, int(row[0])) in ((None, []), ("active", []))
+        async with asyncio.timeout(20):
+            again = await run_statement(source, "select pg_backend_pid()", ())
+        assert again is not None and again[0] != row[0]
+
+
+@pytest.fixture
+def table(dsn: str) -> str:
+    name = unique("hostile_t").replace(":", "_")
+    sql(dsn, f"create table {name} (id int)")
+    return name
+
+
+async def _exec(conn: Any, statement: str) -> None:
+    if hasattr(conn, "exec_driver_sql"):
+        await conn.exec_driver_sql(statement)
+    else:
+        await conn.execute(statement)
