@@ -155,6 +155,18 @@ class _Carrier:
             self._flush_due = True
             self._loop.call_soon(self._flush_soon)
 
+    async def unlock_now(self, key: int, shared: bool) -> None:
+        """Unlock (after any queued unlocks) and wait for the server's reply. A
+        cleanup: run under ``finish_despite_cancel`` with ``on_timeout=overran``.
+        A failure ends the session (see ``_send_unlocks``), so it is not raised."""
+        async with self._io:
+            if self.lost or self.retired:
+                return
+            self._io_owner = "cleanup"
+            (self._unlock_shared if shared else self._unlock_exclusive).append(key)
+            with contextlib.suppress(Exception):
+                await self._send_unlocks()
+
     def _flush_soon(self) -> None:
         self._flush_due = False
         if (self._unlock_exclusive or self._unlock_shared) and not self.lost and not self.retired:
@@ -363,14 +375,25 @@ class LockHolder:
     it never waits out the pool's timeout. A pool of ``max_size=1`` works for
     every lock that is free when asked for (and ``wait=False``).
 
+    Unlocks: leaving a lock on the main connection does not wait for the server
+    (``defer_unlocks=True``): the unlock rides with the next statement on that
+    connection (the next lock's try, in the same round trip), or is sent on the
+    event loop's next turn. A session waiting for the lock in the server is
+    granted it then. Code that must know the lock is free on the server before
+    it goes on (it tells another process by other means, or blocks the event
+    loop next) awaits ``holder.flush()``, or uses ``defer_unlocks=False``, with
+    which leaving a lock waits for the unlock's reply. Either way an unlock that
+    fails ends the session, which releases every lock on it.
+
     ``keepalive`` bounds how long a lost session goes unnoticed (probes every
     ``keepalive/2``, TCP keepalive and ``tcp_user_timeout`` on the session), and
-    how long a give-back may take before the connection is closed instead.
+    how long a give-back or an unlock may take (at most 5 s) before the
+    connection is closed instead.
     """
 
     def __init__(
         self, source: Any, *, driver: str | None = None, application_name: str = "pgcoord-holder",
-        keepalive: float = 5.0, max_wait_connections: int = 8,
+        keepalive: float = 5.0, max_wait_connections: int = 8, defer_unlocks: bool = True,
     ) -> None:
         if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not keepalive > 0:
             raise ValueError(f"keepalive must be a positive number of seconds, got {keepalive!r}")
@@ -383,6 +406,7 @@ class LockHolder:
         self.keepalive = float(keepalive)
         self.application_name = application_name
         self.max_wait_connections = max_wait_connections
+        self.defer_unlocks = bool(defer_unlocks)
         self._cleanup_bound = min(CLEANUP_TIMEOUT, max(1.0, self.keepalive))
         self._source: ConnectionSource = connection_source(source, driver, self.keepalive)
         self._main: _Carrier | None = None
@@ -520,6 +544,14 @@ class LockHolder:
             self._carriers.discard(carrier)
             if carrier.dedicated:
                 self._waiting_conns -= 1
+
+    async def _unlock_now(self, carrier: _Carrier, request: LockRequest) -> None:
+        try:
+            await finish_despite_cancel(carrier.unlock_now(request.key, request.shared),
+                                        bound=self._cleanup_bound, on_timeout=carrier.overran)
+        except CleanupTimeout:
+            carrier.mark_lost(f"the unlock of lock {request.describe()} got no answer within "
+                              f"{self._cleanup_bound:.1f}s")
 
     async def _retire(self, carrier: _Carrier) -> None:
         self._drop(carrier)
@@ -701,8 +733,12 @@ class HeldLock:
                 raise LockLost(f"lock {request.describe()} lost: {self.lost_reason}") from exc
             if carrier.dedicated:
                 await holder._retire(carrier)
-            elif not carrier.lost:
+            elif carrier.lost:
+                pass  # the server released it with the session
+            elif holder.defer_unlocks:
                 carrier.defer_unlock(request.key, request.shared)
+            else:
+                await holder._unlock_now(carrier, request)
         finally:
             self._entered = False
             holder._release_local(request.key)
