@@ -121,6 +121,16 @@ def _info(row: dict[str, Any]) -> MemberInfo:
     )
 
 
+def _add_hook(hooks: list[Callable[[int], None]], hook: Callable[[int], None]) -> Callable[[], None]:
+    hooks.append(hook)
+
+    def remove() -> None:
+        if hook in hooks:
+            hooks.remove(hook)
+
+    return remove
+
+
 def _as_reason(reason: str) -> Literal["left", "crashed", "silent"]:
     return "left" if reason == "left" else "silent" if reason == "silent" else "crashed"
 
@@ -153,6 +163,7 @@ class Member:
         #: Ids of every live member of every group, in ring order.
         self._ring: list[int] = []
         self._left_hooks: list[Callable[[int], None]] = []
+        self._lost_hooks: list[Callable[[int], None]] = []
         self._subscribers: set[asyncio.Queue[MemberChange]] = set()
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
@@ -354,6 +365,8 @@ class Member:
                 level = logging.ERROR if isinstance(exc, SchemaMissing) else logging.WARNING
                 log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, backoff)
             own_id = self.id
+            if own_id is not None:
+                self._call_hooks(self._lost_hooks, own_id)
             await self._stop_tasks()
             await finish_despite_cancel(self._drop_sessions())
             self._forget_view(own_id)
@@ -401,19 +414,30 @@ class Member:
         """Member ``member_id`` (of any group) is gone: tell who needs to know."""
         if member_id in self._ring:
             self._ring.remove(member_id)
-        for hook in list(self._left_hooks):
-            hook(member_id)
+        self._call_hooks(self._left_hooks, member_id)
         gone = self._view.pop(member_id, None)
         if gone is not None:
             self._emit(MemberLeft(gone, _as_reason(reason)))
         self._retarget()
 
+    def _call_hooks(self, hooks: list[Callable[[int], None]], member_id: int) -> None:
+        for hook in list(hooks):
+            try:
+                hook(member_id)
+            except Exception:
+                log.exception("member %r: a hook for member %d failed", self.name, member_id)
+
     def on_member_left(self, hook: Callable[[int], None]) -> Callable[[], None]:
         """Call ``hook(member_id)`` whenever any member of any group is known gone
         (for features tied to members: electors, leases, job claims). Returns a
         function that removes the hook."""
-        self._left_hooks.append(hook)
-        return lambda: self._left_hooks.remove(hook) if hook in self._left_hooks else None
+        return _add_hook(self._left_hooks, hook)
+
+    def on_session_lost(self, hook: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``hook(old_id)`` at once when this member's own session ends (before
+        it joins again under a new id): whatever was tied to it is gone. Returns a
+        function that removes the hook."""
+        return _add_hook(self._lost_hooks, hook)
 
     async def _refresh(self, *, initial: bool = False) -> None:
         state = json.loads(await self._call(query("member_state"), self.group))
@@ -421,8 +445,7 @@ class Member:
         ring = [int(i) for i in state["ring"]]
         gone: dict[str, str] = state["gone"]
         for member_id in set(self._ring) - set(ring):
-            for hook in list(self._left_hooks):
-                hook(member_id)
+            self._call_hooks(self._left_hooks, member_id)
         self._ring = ring
         old, self._view = self._view, fresh
         if not initial or old:

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
@@ -46,9 +46,12 @@ from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result
 from ._drivers import check_source, run_statement
 from ._keys import lock_key
 from ._queries import query
-from .errors import SchemaMissing, UnsupportedConnection
+from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from .leases import trust_margin
 from .locks import exclusive
+
+if TYPE_CHECKING:
+    from .member import Member
 
 __all__ = ["Scheduler", "Slot", "pool_capacity"]
 
@@ -249,18 +252,29 @@ class _Run:
     spec: Job
     slot: Slot
     claim: _Claim
+    #: The runner name the slot was claimed under (with a member, it names the
+    #: member's incarnation, which may have changed since).
+    runner: str
     task: asyncio.Task[None] | None = None
+    body: asyncio.Task[Any] | None = None
     started: bool = False
 
 
 class Scheduler:
     """Run-once cron across every replica that runs the same code; see DESIGN §4."""
 
-    def __init__(self, source: Any, *, runner: str | None = None, tick: float = 1.0) -> None:
+    def __init__(
+        self, source: Any, *, runner: str | None = None, tick: float = 1.0,
+        member: Member | None = None,
+    ) -> None:
         check_source(source, need_async=True, background="Scheduler")
         _refuse_shared_connection(source)
+        if member is not None and runner is not None:
+            raise ValueError("runner= and member= exclude each other: with a member, the runner "
+                             "is named after the member")
         self._source = source
-        self.runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._member = member
+        self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.jobs: dict[str, Job] = {}
         self._max_sleep = _seconds(tick, "tick", minimum=0.01) or 1.0
         self._capacity = pool_capacity(source)
@@ -276,6 +290,19 @@ class Scheduler:
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
         self._wake = asyncio.Event()
+
+    @property
+    def runner(self) -> str:
+        """The name this replica's claims carry. With a member it is
+        ``<member name>/<member id>``: claims are tied to the member's session, so
+        when that ends every replica expires them at once (and this replica stops
+        the bodies that ran under them)."""
+        member = self._member
+        if member is None:
+            return self._runner
+        if member.id is None:
+            raise _NotJoined()
+        return f"{member.name}/{member.id}"
 
     # -- registration ------------------------------------------------------------------
 
@@ -359,6 +386,7 @@ class Scheduler:
         if self._run_task is not None:
             raise RuntimeError("this Scheduler is already running")
         self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
+        unhook = self._hook_member()
         try:
             await self._register()
             failures = 0
@@ -384,12 +412,57 @@ class Scheduler:
                 raise
             absorb_cancel()
         finally:
+            unhook()
             try:
                 await finish_despite_cancel(self._stop_runs(), bound=2 * CLEANUP_TIMEOUT)
             except CleanupTimeout:
                 log.warning("scheduler: runs still going %.0f s after being cancelled were left"
                             " behind (their claims expire)", 2 * CLEANUP_TIMEOUT)
             self._run_task = None
+
+    def _hook_member(self) -> Callable[[], None]:
+        """With a member: expire a dead member's claims at once, and stop our own
+        bodies when our member's session (which their claims are tied to) ends."""
+        member = self._member
+        if member is None:
+            return lambda: None
+        tasks: set[asyncio.Task[Any]] = set()
+
+        def on_left(member_id: int) -> None:
+            task = asyncio.ensure_future(self._expire_claims_of(member_id))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(consume_result)
+
+        def on_session_lost(old_id: int) -> None:
+            suffix = f"/{old_id}"
+            for run in list(self._running.values()):
+                if run.runner.endswith(suffix) and run.body is not None:
+                    self._lose(run, run.body, "the member's session, which the claim is tied to, ended")
+
+        unhook_left = member.on_member_left(on_left)
+        unhook_lost = member.on_session_lost(on_session_lost)
+
+        def unhook() -> None:
+            unhook_left()
+            unhook_lost()
+            for task in tasks:
+                task.cancel()
+
+        return unhook
+
+    async def _expire_claims_of(self, member_id: int) -> None:
+        try:
+            row = await run_statement(self._source, query("job_expire_member_claims"), (member_id,))
+        except Exception as exc:  # the claims still expire on their own
+            log.warning("scheduler: expiring the claims of member %d failed: %r", member_id, exc)
+            return
+        if row is not None and row[0]:
+            log.warning("scheduler: member %d is gone; %d running claim(s) of it expired now",
+                        member_id, row[0])
+            for spec in self.jobs.values():
+                spec.last_recover = 0.0  # look for them on this very tick
+            self._wake.set()
 
     async def _register(self) -> None:
         """Register every job, trying again (backing off) while the database is away."""
@@ -499,29 +572,37 @@ class Scheduler:
         """Try to claim slot ``at``; False when the job must wait for a later tick."""
         if spec.jitter:
             await asyncio.sleep(random.uniform(0, spec.jitter))
+        try:
+            runner = self.runner
+        except _NotJoined:
+            return False  # the member is (re)joining: claim nothing until it has
         sent = time.monotonic()
         claim = await run_statement(self._source, query("job_claim"),
-                                    (spec.name, at, self.runner, int(spec.claim_ttl * 1000), on_overlap))
+                                    (spec.name, at, runner, int(spec.claim_ttl * 1000), on_overlap))
         if claim is None:
             return True  # another replica has it
         state, attempt = claim
         if state == "waiting":
             return False
         if state == "running":
-            self._start(spec, Slot(spec.name, at, int(attempt)), sent)
+            self._start(spec, Slot(spec.name, at, int(attempt)), sent, runner)
             return on_overlap != "wait"
         log.info("job %r slot %s skipped: the previous run is still going", spec.name, at)
         return True
 
     async def _recover(self, spec: Job) -> None:
+        try:
+            runner = self.runner
+        except _NotJoined:
+            return
         sent = time.monotonic()
         row = await run_statement(self._source, query("job_recover"),
-                                  (spec.name, self.runner, int(spec.claim_ttl * 1000),
+                                  (spec.name, runner, int(spec.claim_ttl * 1000),
                                    spec.on_crash == "retry", spec.max_attempts))
         if row is not None:
             at, attempt = _utc(row[0]), int(row[1])
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", spec.name, at, attempt)
-            self._start(spec, Slot(spec.name, at, attempt), sent)
+            self._start(spec, Slot(spec.name, at, attempt), sent, runner)
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
@@ -537,8 +618,8 @@ class Scheduler:
 
     # -- running slots ---------------------------------------------------------------------
 
-    def _start(self, spec: Job, slot: Slot, sent: float) -> None:
-        run = _Run(spec, slot, _Claim(spec.claim_ttl, sent))
+    def _start(self, spec: Job, slot: Slot, sent: float, runner: str) -> None:
+        run = _Run(spec, slot, _Claim(spec.claim_ttl, sent), runner)
         run.task = asyncio.create_task(self._execute(run), name=f"pgcoord-job:{slot.key}")
         self._running[(spec.name, slot.at)] = run
         run.task.add_done_callback(lambda _: self._finished(run))
@@ -552,12 +633,17 @@ class Scheduler:
     async def trigger(self, job: str) -> Slot:
         """Run ``job`` now, on this replica, without using up a scheduled slot."""
         spec = self._job(job)
+        try:
+            runner = self.runner
+        except _NotJoined:
+            raise PgcoordError("the scheduler's member is not joined (its session is being "
+                               "reconnected); trigger again shortly") from None
         sent = time.monotonic()
         row = await run_statement(self._source, query("job_claim_now"),
-                                  (spec.name, self.runner, int(spec.claim_ttl * 1000)))
+                                  (spec.name, runner, int(spec.claim_ttl * 1000)))
         assert row is not None
         slot = Slot(spec.name, row[2], int(row[1]), manual=True)
-        await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent)))
+        await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent), runner))
         return slot
 
     async def _execute(self, run: _Run) -> None:
@@ -567,7 +653,7 @@ class Scheduler:
         the slot stopped and is raised again."""
         run.started = True
         slot = run.slot
-        body = asyncio.create_task(self._body(run), name=f"pgcoord-job-body:{slot.key}")
+        body = run.body = asyncio.create_task(self._body(run), name=f"pgcoord-job-body:{slot.key}")
         heartbeat = asyncio.create_task(self._heartbeat(run, body), name=f"pgcoord-job-claim:{slot.key}")
         cancelled = False
         try:
@@ -637,7 +723,7 @@ class Scheduler:
             # discards it); nothing else is ours to close, so no on_timeout.
             row = await finish_despite_cancel(run_statement(
                 self._source, query("job_finish"),
-                (spec.name, slot.at, self.runner, slot.attempt, outcome, reason, error),
+                (spec.name, slot.at, run.runner, slot.attempt, outcome, reason, error),
             ), bound=CLEANUP_TIMEOUT)
         except CleanupTimeout:
             log.warning("job %r slot %s: recording %s took longer than %.0f s and was abandoned;"
@@ -668,7 +754,7 @@ class Scheduler:
                 if run.claim.lost is not None:
                     raise _Superseded()
                 done = await fetchval_on(conn, query("job_finish"), (
-                    spec.name, slot.at, self.runner, slot.attempt, "succeeded", None, None))
+                    spec.name, slot.at, run.runner, slot.attempt, "succeeded", None, None))
                 if not done:
                     raise _Superseded()
         finally:
@@ -692,7 +778,7 @@ class Scheduler:
                     return
                 attempt = asyncio.ensure_future(run_statement(
                     self._source, query("job_heartbeat"),
-                    (spec.name, slot.at, self.runner, slot.attempt, int(spec.claim_ttl * 1000))))
+                    (spec.name, slot.at, run.runner, slot.attempt, int(spec.claim_ttl * 1000))))
                 done, _ = await asyncio.wait({attempt}, timeout=claim.trust_until - sent)
                 if not done:
                     self._lose(run, body, "no heartbeat succeeded before its trust window closed")
@@ -733,6 +819,10 @@ class Scheduler:
         # Cancelled before it began: nothing ran, so say so.
         await asyncio.gather(*(self._record(run, "stopped", None) for run in runs if not run.started),
                              return_exceptions=True)
+
+
+class _NotJoined(Exception):
+    """The scheduler's member has no session right now (it is rejoining)."""
 
 
 class _Superseded(Exception):

@@ -57,3 +57,6 @@ SELECT pg_catalog.pg_advisory_unlock(1885823853, $1)
 -- name: member_cancel_watch
 -- Move a blocked watcher to another target: cancel its lock wait.
 SELECT pg_catalog.pg_cancel_backend($1)
+
+-- name: job_expire_member_claims
+SELECT pgcoord.job_expire_member_claims($1)
