@@ -31,7 +31,8 @@ EXIT_CODES = (
     (EXIT_CONNECT, "cannot connect: refused, unknown host, no answer, login refused, no such database"),
     (EXIT_SCHEMA, "pgcoord's schema is not installed, or is at a revision this pgcoord does not know"),
     (EXIT_PRIVILEGE, "connected, but the role lacks a privilege the command needs"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C; a --watch ends with 0)"),
+    (EXIT_BROKEN_PIPE, "the reader of the output went away (as in `| head`)"),
 )
 
 # Seconds to wait for a server that does not answer, unless the DSN or
