@@ -16,27 +16,47 @@ before that, so it has stopped believing it leads by then.
 
 Behind a transaction-mode pooler there are no sessions to speak of: the
 elector falls back to lease-and-poll, and takeover takes up to ttl + ttl/3.
+
+Given a ``Member`` instead of a DSN, the elector uses the member's session and
+opens no connection of its own: the leader takes the doorbell with a try (never
+a blocking wait, which would stall the shared session), and followers wait for
+news instead of on the lock: a member's death (``MemberLeft``, at once), the
+lease being released or taken (NOTIFY from the lease table's trigger), or at
+the latest a third of a ttl. Any number of electors then cost no connection
+beyond the member's two.
+
+Every lease change is told on the ``pgcoord_leases`` channel; ``watch()`` yields
+each change of leader, and ``request_resign()`` asks a leader, from anywhere, to
+step down gracefully (it hears at once, or at its next renewal).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
+from ._listen import listen
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing
 from .leases import lock_timeout_setting, trust_margin, validate_holder, validate_name, validate_ttl
 
-__all__ = ["Elector"]
+if TYPE_CHECKING:
+    from .member import Member
+
+__all__ = ["Elector", "LeaderChanged", "request_resign"]
+
+LEASE_CHANNEL = "pgcoord_leases"
 
 log = logging.getLogger("pgcoord.elector")
 
@@ -57,22 +77,66 @@ class _SessionLost(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class LeaderChanged:
+    """A change of leader seen by ``Elector.watch()``: the new holder (None when
+    the lease was released) and the fence of the term."""
+
+    holder: str | None
+    fence: int
+
+
+async def request_resign(source: Any, name: str) -> bool:
+    """Ask the current leader of ``name`` to step down gracefully (for deploys).
+    ``source``: a DSN, a ``Member``, or any async pool or engine pgcoord accepts.
+    True when there was a live leader to ask; it resigns at once if it listens
+    (it has a session), else at its next renewal."""
+    name = validate_name(name)
+    from .member import Member
+
+    if isinstance(source, Member):
+        await source.wait_joined()
+        return bool(await source._call(query("lease_request_resign"), name))
+    if isinstance(source, str):
+        conn = await DsnSource(source, None, keepalive=10.0).open()
+        try:
+            with _errmap.schema_missing_raised():
+                return bool(await conn.fetchval(query("lease_request_resign"), name))
+        finally:
+            await finish_despite_cancel(conn.give_back())
+    from ._drivers import check_source, run_statement
+
+    check_source(source, need_async=True)
+    row = await run_statement(source, query("lease_request_resign"), (name,))
+    return bool(row and row[0])
+
+
 class Elector:
     """Run ``lead(fence)`` on exactly one replica at a time; see DESIGN §3."""
 
     def __init__(
-        self, dsn: str, name: str, *, ttl: float = 10.0, holder: str | None = None,
+        self, dsn: str | Member, name: str, *, ttl: float = 10.0, holder: str | None = None,
         driver: str | None = None, application_name: str | None = None,
     ) -> None:
-        if not isinstance(dsn, str):
+        from .member import Member
+
+        self._member: Member | None = None
+        if isinstance(dsn, Member):
+            if driver is not None or application_name is not None:
+                raise ValueError("driver= and application_name= belong to the Member, not its electors")
+            self._member = dsn
+        elif not isinstance(dsn, str):
             raise TypeError(
-                "Elector takes a DSN: it needs a session of its own, never a pool's connection"
+                "Elector takes a DSN or a Member: it needs a session of its own (or its member's), "
+                "never a pool's connection"
             )
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
-        self.holder = validate_holder(holder)
+        self.holder = validate_holder(holder if holder is not None or self._member is None
+                                      else f"{self._member.name}/{name}")
         self.application_name = (application_name or f"pgcoord-elector:{name}")[:63]
-        self._source = DsnSource(dsn, driver, keepalive=self.ttl)
+        self._source = (DsnSource(dsn, driver, keepalive=self.ttl) if isinstance(dsn, str)
+                        else None)
         self._doorbell_name = f"pgcoord.elector:{name}"
         self._doorbell = lock_key(self._doorbell_name)
         self._leading = False
@@ -88,6 +152,12 @@ class Elector:
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
         self._stopped: asyncio.Event | None = None
+        # Lease news: set when something a follower waits for may have happened.
+        self._news = asyncio.Event()
+        self._resign_asked: int | None = None  # the fence a resign was asked for
+        self._duty: asyncio.Task[Any] | None = None  # the running lead(), if any
+        self._unhooks: list[Callable[[], None]] = []
+        self._watchers: set[asyncio.Queue[LeaderChanged]] = set()
         metrics.warm_up()
 
     @property
@@ -108,6 +178,36 @@ class Elector:
         return self._fence if self.is_leader else None
 
     @property
+    def healthy(self) -> bool:
+        """False while this replica's ``lead()`` still runs though its trust window
+        has closed (it is being stopped): for readiness probes. True otherwise."""
+        duty = self._duty
+        return self.is_leader or duty is None or duty.done()
+
+    def watch(self) -> LeaderWatch:
+        """Each change of leader from now on, as ``LeaderChanged(holder, fence)``,
+        while ``run()`` runs (it listens on the elector's or the member's session;
+        behind a pooler nothing is heard). Subscribes at once."""
+        return LeaderWatch(self._watchers)
+
+    def _on_lease_news(self, payload: str) -> None:
+        try:
+            news = json.loads(payload)
+        except ValueError:
+            return
+        if news.get("name") != self.name:
+            return
+        self._news.set()
+        fence = int(news.get("fence") or 0)
+        if news.get("ev") == "resign":
+            if self._leading and self._fence == fence:
+                self._resign_asked = fence
+            return
+        change = LeaderChanged(news.get("holder"), fence)
+        for queue in self._watchers:
+            queue.put_nowait(change)
+
+    @property
     def _idle_ms(self) -> int:
         # The server ends the session after this much silence. Shorter than the
         # ttl so a paused leader is replaced within one ttl; the leader speaks
@@ -117,6 +217,9 @@ class Elector:
     # -- the session ---------------------------------------------------------------
 
     async def _connect(self) -> HolderConnection:
+        if self._member is not None:
+            return await self._use_member(self._member)
+        assert self._source is not None
         conn = await self._source.open()
         try:
             await conn.prepare()
@@ -133,6 +236,7 @@ class Elector:
                 with contextlib.suppress(Exception):  # a name for operators; best effort
                     await conn.fetchval(query("lock_names_record"), self._doorbell,
                                         self._doorbell_name)
+                await listen(conn, LEASE_CHANNEL, self._on_lease_news)
         except BaseException:
             await finish_despite_cancel(conn.close_now())
             raise
@@ -140,6 +244,36 @@ class Elector:
         conn.on_lost(lost.set)
         self._conn, self._lost = conn, lost
         return conn
+
+    async def _use_member(self, member: Member) -> HolderConnection:
+        """The member's session as ours; hooks for the news followers wait for."""
+        await member.wait_joined()
+        self.polling = member.polling
+        if not self._unhooks:
+            self._unhooks = [
+                member.on_member_left(lambda _id: self._news.set()),
+                await member.listen(LEASE_CHANNEL, self._on_lease_news),
+            ]
+        conn = member.session()
+        lost = asyncio.Event()
+        conn.on_lost(lost.set)
+        self._conn, self._lost = conn, lost
+        return conn
+
+    def _unhook(self) -> None:
+        unhooks, self._unhooks = self._unhooks, []
+        for unhook in unhooks:
+            unhook()
+
+    def _rang(self, conn: HolderConnection | None, delta: int) -> None:
+        """Book-keeping of the doorbell on a member's session, which we must unlock
+        ourselves when we let go of it (closing it is not ours to do)."""
+        from .member import MemberSession
+
+        if isinstance(conn, MemberSession):
+            conn.owned[(self._doorbell, False)] += delta
+            if conn.owned[(self._doorbell, False)] <= 0:
+                del conn.owned[(self._doorbell, False)]
 
     async def _drop_session(self) -> None:
         conn, self._conn = self._conn, None
@@ -182,6 +316,8 @@ class Elector:
     async def _campaign(self) -> tuple[int, bool, float]:
         """Wait until this replica holds the lease: (fence, holds the doorbell, send time)."""
         assert self._conn is not None
+        if self._member is not None:
+            return await self._campaign_on_member()
         while True:
             rang = False
             if not self.polling:
@@ -213,6 +349,39 @@ class Elector:
             if self.polling or rang:
                 await asyncio.sleep(self.ttl / 3 * random.uniform(0.8, 1.0))
 
+    async def _campaign_on_member(self) -> tuple[int, bool, float]:
+        """As ``_campaign``, on a shared session: try the bell, never wait on it;
+        between tries wait for news (a member gone, the lease released or taken)
+        or a third of a ttl."""
+        conn = self._conn
+        assert conn is not None and self._lost is not None
+        while True:
+            self._news.clear()  # before looking, so news that comes meanwhile is kept
+            rang = False
+            if not self.polling:
+                rang = bool(await self._call(
+                    query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell))
+                if rang:
+                    self._rang(conn, +1)
+            sent = time.monotonic()
+            fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
+                                     conn.backend_pid if rang else None)
+            if fence is not None:
+                return int(fence), rang, sent
+            if rang:
+                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
+                self._rang(conn, -1)
+            lost = asyncio.ensure_future(self._lost.wait())
+            news = asyncio.ensure_future(self._news.wait())
+            try:
+                await asyncio.wait({lost, news}, timeout=self.ttl / 3 * random.uniform(0.8, 1.0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                news.cancel()
+            if self._lost.is_set():
+                raise _SessionLost("the member's session was lost")
+
     async def _call_execute(self, sql: str) -> None:
         conn = self._conn
         if conn is None:
@@ -231,11 +400,18 @@ class Elector:
     async def _lead(self, lead: Lead, fence: int, rang: bool, sent: float) -> None:
         # The earliest anyone may take over: when the server ends our silent
         # session (idle_session_timeout), which comes before the lease's expiry.
-        window = self.ttl if self.polling else self._idle_ms / 1000
+        if self.polling:
+            window = self.ttl
+        elif self._member is not None:
+            window = min(self.ttl, self._member.ttl * 0.9)  # the member's idle_session_timeout
+        else:
+            window = self._idle_ms / 1000
+        self._resign_asked = None
         trust_until = sent + window - trust_margin(window)
         last_renewal, next_renewal = sent, sent + self.ttl / 3
         self._trust_until, self._fence, self._leading = trust_until, fence, True
         duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
+        self._duty = duty
         metrics.leadership(self.name, True, fence)
         log.info("elector %r: %s leads with fence %d", self.name, self.holder, fence)
         assert self._lost is not None
@@ -244,12 +420,20 @@ class Elector:
         try:
             while True:
                 timeout = max(0.0, min(next_renewal, trust_until) - time.monotonic())
-                await asyncio.wait({duty, lost_waiter}, timeout=timeout,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                news = asyncio.ensure_future(self._news.wait())
+                try:
+                    await asyncio.wait({duty, lost_waiter, news}, timeout=timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    news.cancel()
+                self._news.clear()
                 if duty.done():
                     break
                 if lost_waiter.done():
                     reason = "the elector's session was lost"
+                    break
+                if self._resign_asked == fence:
+                    reason = "a resign was requested"
                     break
                 now = time.monotonic()
                 if now >= trust_until:
@@ -259,7 +443,7 @@ class Elector:
                     continue
                 attempt_sent = time.monotonic()
                 attempt = asyncio.ensure_future(self._call(
-                    query("lease_renew"), self.name, self.holder, fence, self._ttl_ms))
+                    query("lease_renew_resign"), self.name, self.holder, fence, self._ttl_ms))
                 done, _ = await asyncio.wait({attempt}, timeout=max(0.0, trust_until - attempt_sent))
                 if not done:
                     attempt.cancel()
@@ -277,6 +461,8 @@ class Elector:
                     log.warning("elector %r: renewal failed, retrying: %r", self.name, error)
                     next_renewal = time.monotonic() + self.ttl / 10
                     continue
+                if attempt.result():
+                    self._resign_asked = fence  # renewed, and asked to step down
                 metrics.renewal(self.name, time.monotonic() - attempt_sent,
                                 attempt_sent - last_renewal)
                 last_renewal = attempt_sent
@@ -293,7 +479,9 @@ class Elector:
                 await self._end_duty(duty)
             finally:
                 await self._resign_bounded(fence, rang)
-        if duty.done() and not duty.cancelled() and duty.exception() is None:
+        if reason == "a resign was requested":
+            log.info("elector %r: resigned on request (fence %d), campaigning again", self.name, fence)
+        elif duty.done() and not duty.cancelled() and duty.exception() is None:
             log.info("elector %r: lead() returned; resigned, campaigning again", self.name)
         else:
             log.warning("elector %r: stepped down (fence %d): %s", self.name, fence, reason)
@@ -334,9 +522,11 @@ class Elector:
             if rang:
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
                                  self._doorbell)
+                self._rang(self._conn, -1)
         except Exception as exc:
             # Closing the session releases the doorbell; the row's session is then
-            # gone, so a follower may take over without waiting out the ttl.
+            # gone, so a follower may take over without waiting out the ttl. On a
+            # member's session, letting go unlocks the doorbell instead.
             log.warning("elector %r: resign failed (%r); closing the session", self.name, exc)
             await self._drop_session()
 
@@ -363,6 +553,8 @@ class Elector:
                     fence, rang, sent = await self._campaign()
                     backoff = 0.0
                     await self._lead(lead, fence, rang, sent)
+                    # After a term (a resign on request above all) let another
+                    # replica take over before campaigning again.
                     await asyncio.sleep(self.ttl / 3 * random.uniform(0.5, 1.0))
                 except SchemaMissing:
                     raise
@@ -378,8 +570,11 @@ class Elector:
         finally:
             with contextlib.suppress(CleanupTimeout):
                 await finish_despite_cancel(self._drop_session())
+            self._unhook()
             self._run_task = None
             self._stopped.set()
+            for queue in self._watchers:
+                queue.put_nowait(_END)
 
     async def _await_straggler(self) -> None:
         duty = self._straggler
@@ -399,7 +594,13 @@ class Elector:
         await stopped.wait()
 
     async def leader(self) -> str | None:
-        """The current leader's holder name, or None (asked on a short connection of its own)."""
+        """The current leader's holder name, or None (asked on a short connection of
+        its own, or on the member's session)."""
+        if self._member is not None:
+            await self._member.wait_joined()
+            with _errmap.schema_missing_raised():
+                return await self._member._call(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
+        assert self._source is not None
         try:
             conn = await self._source.open()
             try:
@@ -414,4 +615,26 @@ class Elector:
             raise PgcoordError(f"elector {self.name!r}: could not ask who leads: {exc!r}") from exc
 
 
+_END: Any = object()
 
+
+class LeaderWatch:
+    """An async iterator of ``LeaderChanged``; see ``Elector.watch``."""
+
+    def __init__(self, subscribers: set[asyncio.Queue[LeaderChanged]]) -> None:
+        self._queue: asyncio.Queue[LeaderChanged] = asyncio.Queue()
+        self._subscribers = subscribers
+        subscribers.add(self._queue)
+
+    def __aiter__(self) -> LeaderWatch:
+        return self
+
+    async def __anext__(self) -> LeaderChanged:
+        change = await self._queue.get()
+        if change is _END:
+            self.close()
+            raise StopAsyncIteration
+        return change
+
+    def close(self) -> None:
+        self._subscribers.discard(self._queue)

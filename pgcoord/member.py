@@ -28,8 +28,10 @@ A member uses exactly two server connections, whatever else runs on it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -48,7 +50,9 @@ from ._listen import listen
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing
 
-__all__ = ["Member", "MemberInfo", "MemberJoined", "MemberLeft", "MemberWatch"]
+__all__ = [
+    "Member", "MemberInfo", "MemberJoined", "MemberLeft", "MemberSession", "MemberWatch", "SessionLost",
+]
 
 log = logging.getLogger("pgcoord.member")
 
@@ -135,8 +139,76 @@ def _as_reason(reason: str) -> Literal["left", "crashed", "silent"]:
     return "left" if reason == "left" else "silent" if reason == "silent" else "crashed"
 
 
-class _SessionLost(Exception):
-    pass
+class SessionLost(Exception):
+    """The member's session is gone (internal: features map it to their own
+    errors; it carries no SQLSTATE, so ``_errmap.session_gone`` says yes)."""
+
+
+class MemberSession(HolderConnection):
+    """A member's main session seen as one feature's connection: statements go
+    through the member (serialised with everyone else's), ``on_lost`` fires when
+    this incarnation of the session ends, and the feature never closes it. Keys
+    the feature records in ``owned`` are unlocked when it lets go (``close_now``)."""
+
+    def __init__(self, member: Member, incarnation: int, main: HolderConnection) -> None:
+        self._member = member
+        self._incarnation = incarnation
+        self._main = main
+        self.conn = main.conn
+        self.backend_pid = main.backend_pid
+        self.owned: collections.Counter[tuple[int, bool]] = collections.Counter()
+        self._unhooks: list[Callable[[], None]] = []
+        self._dropped = False
+
+    def _check(self) -> None:
+        if self._dropped or self._member.id != self._incarnation:
+            raise SessionLost("this member session has ended")
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        self._check()
+        return await self._member._call(sql, *args)
+
+    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        self._check()
+        row = await self._member._call(sql, *args, how="row")
+        return None if row is None else tuple(row)
+
+    async def execute(self, sql: str) -> None:
+        self._check()
+        await self._member._call(sql, how="exec")
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        incarnation = self._incarnation
+
+        def hook(old_id: int) -> None:
+            if old_id == incarnation:
+                callback()
+
+        self._unhooks.append(self._member.on_session_lost(hook))
+        if self._member.id != incarnation:
+            callback()
+
+    def announced_pid(self) -> int | None:
+        return self._main.announced_pid()
+
+    def terminate(self) -> None:
+        """Let go without waiting: the member's session stays; keys this feature
+        owned are unlocked in the background."""
+        if self._dropped:
+            return
+        self._dropped = True
+        for unhook in self._unhooks:
+            unhook()
+        owned, self.owned = self.owned, collections.Counter()
+        if owned and self._member.id == self._incarnation:
+            self._member._spawn(self._member._unlock_owned(self._incarnation, owned),
+                                f"pgcoord-member-release:{self._member.name}")
+
+    async def close_now(self) -> None:
+        self.terminate()
+
+    async def give_back(self) -> None:
+        self.terminate()
 
 
 class Member:
@@ -164,6 +236,8 @@ class Member:
         self._ring: list[int] = []
         self._left_hooks: list[Callable[[int], None]] = []
         self._lost_hooks: list[Callable[[int], None]] = []
+        #: Other channels features listen to on the member's session: name -> callbacks.
+        self._channels: dict[str, list[Callable[[str], None]]] = {}
         self._subscribers: set[asyncio.Queue[MemberChange]] = set()
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
@@ -289,6 +363,8 @@ class Member:
                     self.name)
             else:
                 await listen(main, CHANNEL, self._on_notify)
+                for channel in self._channels:
+                    await listen(main, channel, functools.partial(self._on_channel, channel))
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
@@ -318,19 +394,40 @@ class Member:
         self._joined.set()
         log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
 
-    async def _call(self, sql: str, *args: Any) -> Any:
-        """One statement on the main session, serialised with every other user of it."""
+    async def _call(self, sql: str, *args: Any, how: str = "val") -> Any:
+        """One statement on the main session, serialised with every other user of
+        it: its first value (``how="val"``), first row (``"row"``) or nothing
+        (``"exec"``, parameterless). ``SessionLost`` when the session is gone."""
         conn = self._main
         if conn is None or self._lost.is_set():
-            raise _SessionLost("the member's session is gone")
+            raise SessionLost("the member's session is gone")
         async with self._main_io:
+            if self._lost.is_set():
+                raise SessionLost("the member's session is gone")
             try:
+                if how == "row":
+                    return await conn.fetchrow(sql, *args)
+                if how == "exec":
+                    return await conn.execute(sql)
                 return await conn.fetchval(sql, *args)
             except Exception as exc:
                 if _errmap.session_gone(exc):
                     self._lost.set()
-                    raise _SessionLost(repr(exc)) from exc
+                    raise SessionLost(repr(exc)) from exc
                 raise
+
+    def session(self) -> MemberSession:
+        """The member's current session, for a feature that runs on it (an
+        elector, a lock holder): ``SessionLost`` if there is none right now."""
+        if self._main is None or self.id is None or self._lost.is_set() or not self._joined.is_set():
+            raise SessionLost("the member has no session right now (it is joining)")
+        return MemberSession(self, self.id, self._main)
+
+    async def wait_joined(self) -> None:
+        """Until the member has a session (at once when it has)."""
+        if not self._open:
+            raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
+        await self._joined.wait()
 
     # -- the background work ----------------------------------------------------------------
 
@@ -420,6 +517,47 @@ class Member:
             self._emit(MemberLeft(gone, _as_reason(reason)))
         self._retarget()
 
+    async def _unlock_owned(self, incarnation: int, owned: collections.Counter[tuple[int, bool]]) -> None:
+        """Unlock what a feature left held on our session (each level taken)."""
+        for (key, shared), count in owned.items():
+            fn = "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
+            for _ in range(count):
+                if self.id != incarnation:
+                    return  # that session is gone, and its locks with it
+                try:
+                    await self._call(query("advisory_call").format(fn=fn), key)
+                except SessionLost:
+                    return
+                except Exception as exc:
+                    log.warning("member %r: unlocking %d failed: %r", self.name, key, exc)
+
+    async def listen(self, channel: str, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(payload)`` for each NOTIFY on ``channel``, on the member's
+        session, from now on and again after every rejoin (news sent while the
+        session was away is lost: callers also look for themselves now and then).
+        Behind a pooler nothing arrives. Returns a function that stops it."""
+        callbacks = self._channels.get(channel)
+        if callbacks is None:
+            callbacks = self._channels[channel] = []
+            main = self._main
+            if main is not None and not self.polling and not self._lost.is_set():
+                async with self._main_io:
+                    await listen(main, channel, functools.partial(self._on_channel, channel))
+        callbacks.append(callback)
+
+        def stop() -> None:
+            if callback in callbacks:
+                callbacks.remove(callback)
+
+        return stop
+
+    def _on_channel(self, channel: str, payload: str) -> None:
+        for callback in list(self._channels.get(channel, ())):
+            try:
+                callback(payload)
+            except Exception:
+                log.exception("member %r: a listener on %r failed", self.name, channel)
+
     def _call_hooks(self, hooks: list[Callable[[int], None]], member_id: int) -> None:
         for hook in list(hooks):
             try:
@@ -480,7 +618,7 @@ class Member:
     async def _cancel_watch(self) -> None:
         watcher = self._watcher
         if watcher is not None and self._target is not None:
-            with contextlib.suppress(_SessionLost):
+            with contextlib.suppress(SessionLost):
                 await self._call(query("member_cancel_watch"), watcher.backend_pid)
 
     async def _watch_loop(self) -> None:

@@ -60,3 +60,11 @@ SELECT pg_catalog.pg_cancel_backend($1)
 
 -- name: job_expire_member_claims
 SELECT pgcoord.job_expire_member_claims($1)
+
+-- name: lease_renew_resign
+-- Renew an elector's lease: NULL when it could not be (lost), else whether a
+-- resign was requested for this term.
+SELECT resign FROM pgcoord.lease_renew_asking($1, $2, $3, $4)
+
+-- name: lease_request_resign
+SELECT pgcoord.request_resign($1)
