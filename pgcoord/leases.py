@@ -17,6 +17,8 @@ problem: the statement is tried again on another one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import os
@@ -25,7 +27,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
@@ -36,8 +38,12 @@ from ._drivers import (
     is_async_connection,
     run_statement,
 )
+from ._keys import lock_key
 from ._queries import query
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
+
+if TYPE_CHECKING:
+    from .member import Member, MemberSession
 
 __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
@@ -182,13 +188,22 @@ class Lease:
     transaction, where a rollback would undo a renewal already counted.
     """
 
-    def __init__(self, source: Any, name: str, *, ttl: float, holder: str | None = None) -> None:
+    def __init__(
+        self, source: Any, name: str, *, ttl: float, holder: str | None = None,
+        member: Member | None = None,
+    ) -> None:
         check_source(source, need_async=True, background="Lease")
         _refuse_single_connection_pool(source)
         self.name = validate_name(name)
         self.ttl = validate_ttl(ttl)
         self.holder = validate_holder(holder)
         self._source = source
+        # With a member the lease is tied to the member's session: the doorbell of
+        # the lease (as an elector's) is held on it, so once that session is gone
+        # anyone may take the lease over without waiting out the ttl.
+        self._member = member
+        self._bell: MemberSession | None = None
+        self._news = asyncio.Event()
         self._attempts = _attempts(source)
         self.fence: int | None = None
         self._trust_until = 0.0
@@ -213,14 +228,27 @@ class Lease:
         if not self.valid:
             raise LeaseLost(f"lease {self.name!r} is not held: {self._lost or 'trust window closed'}")
 
+    @property
+    def _window(self) -> float:
+        """The shortest time after a renewal's send before someone else may take over.
+        With a member, also when the server ends the member's silent session: its
+        idle timeout (0.9 of its ttl) runs from its last statement, at worst a
+        heartbeat interval (a third of its ttl) before our renewal."""
+        if self._member is None:
+            return self.ttl
+        return min(self.ttl, self._member.ttl * (0.9 - 1 / 3))
+
     def _trust(self, sent_at: float) -> None:
-        self._trust_until = sent_at + self.ttl - trust_margin(self.ttl)
+        window = self._window
+        self._trust_until = sent_at + window - trust_margin(window)
 
     async def _row(self, name: str, *params: Any) -> tuple[Any, ...] | None:
         return await run_statement(self._source, query(name), params)
 
     async def _take(self, retrying: bool) -> tuple[Any, ...] | None:
-        row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms, None)
+        bell = self._bell
+        row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms,
+                              None if bell is None else bell.backend_pid)
         if row is None and retrying:
             # The try that failed may have taken the lease before its connection
             # died: then the row is ours already, with the fence it was given.
@@ -236,14 +264,77 @@ class Lease:
         if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        unhook = await self._hook_member()
+        try:
+            return await self._acquire(wait, timeout, deadline)
+        finally:
+            unhook()
+
+    async def _hook_member(self) -> Callable[[], None]:
+        """While waiting with a member: wake on any member's death and on this
+        lease's news, rather than only every third of a ttl."""
+        member = self._member
+        if member is None:
+            return lambda: None
+        await member.wait_joined()
+        unhooks = [member.on_member_left(lambda _id: self._news.set()),
+                   await member.listen("pgcoord_leases", self._on_news)]
+
+        def unhook_all() -> None:
+            for unhook in unhooks:
+                unhook()
+
+        return unhook_all
+
+    def _on_news(self, payload: str) -> None:
+        try:
+            if json.loads(payload).get("name") == self.name:
+                self._news.set()
+        except ValueError:
+            pass
+
+    async def _ring(self) -> bool:
+        """With a member: take the lease's doorbell on the member's session (never
+        waiting). False when another live session holds it."""
+        member = self._member
+        if member is None:
+            return True
+        from .member import SessionLost
+
+        try:
+            bell = member.session()
+            rang = bool(await bell.fetchval(query("advisory_call").format(fn="pg_try_advisory_lock"),
+                                            lock_key(f"pgcoord.elector:{self.name}")))
+        except SessionLost:
+            await member.wait_joined()
+            return False
+        if rang:
+            bell.owned[(lock_key(f"pgcoord.elector:{self.name}"), False)] += 1
+            bell.on_lost(lambda: self._lose("the member's session, which the lease is tied to, ended"))
+            self._bell = bell
+        return rang
+
+    def _unring(self) -> None:
+        bell, self._bell = self._bell, None
+        if bell is not None:
+            bell.terminate()  # unlocks the doorbell on the member's session
+
+    async def _acquire(self, wait: bool, limit: float | None, deadline: float | None) -> int:
         while True:
+            self._news.clear()
             sent = time.monotonic()
-            try:
-                row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
-            except PgcoordError:
-                raise
-            except Exception as exc:
-                raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
+            row = None
+            if await self._ring():
+                try:
+                    row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
+                except PgcoordError:
+                    self._unring()
+                    raise
+                except Exception as exc:
+                    self._unring()
+                    raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
+                if row is None:
+                    self._unring()
             if row is not None:
                 self.fence, self._lost = int(row[0]), None
                 self._trust(sent)
@@ -256,10 +347,13 @@ class Lease:
                 raise LockBusy(f"lease {self.name!r} is held by another holder")
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise LockTimeout(f"lease {self.name!r} not acquired within {timeout}s")
-            # No doorbell for a plain lease: look again after a third of a ttl.
-            pause = self.ttl / 3
-            await asyncio.sleep(pause if deadline is None else min(pause, deadline - now))
+                raise LockTimeout(f"lease {self.name!r} not acquired within {limit}s")
+            # No doorbell for a plain lease: look again after a third of a ttl (or,
+            # with a member, at news of a death or of this lease, if sooner).
+            pause = self.ttl / 3 if deadline is None else min(self.ttl / 3, deadline - now)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await self._news.wait()
 
     # -- renewal ------------------------------------------------------------------------------
 
@@ -359,6 +453,8 @@ class Lease:
         except Exception as exc:  # it expires on its own; never mask the caller's error
             log.warning("releasing lease %r (fence %s) failed; it will expire on its own within "
                         "%.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
+        finally:
+            self._unring()  # the row first, then the bell: a woken taker finds it free
 
     async def __aenter__(self) -> int:
         fence = await self.acquire()
