@@ -204,6 +204,14 @@ class MemberSession(HolderConnection):
             self._member._spawn(self._member._unlock_owned(self._incarnation, owned),
                                 f"pgcoord-member-release:{self._member.name}")
 
+    def abort(self) -> None:
+        """A statement of ours on the member's session got no answer within its
+        bound: the session is not usable by anyone, so it is closed (the member
+        joins again, and everything tied to it is released by the server)."""
+        self.terminate()
+        if self._member.id == self._incarnation:
+            self._main.abort()
+
     async def close_now(self) -> None:
         self.terminate()
 

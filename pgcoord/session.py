@@ -36,7 +36,7 @@ import functools
 import logging
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _errmap, metrics
 from ._aio import (
@@ -56,6 +56,9 @@ from ._keys import LockKeyLike
 from ._queries import query
 from .errors import LockBusy, LockLost, LockTimeout, PgcoordError, PoolExhausted, UnsupportedConnection
 from .locks import LockRequest
+
+if TYPE_CHECKING:
+    from .member import Member
 
 __all__ = ["HeldLock", "LockHolder"]
 
@@ -83,11 +86,13 @@ class _Carrier:
 
     def __init__(
         self, conn: HolderConnection, holder: LockHolder, *, dedicated: bool,
-        saved: tuple[list[str], list[str | None]],
+        saved: tuple[list[str], list[str | None]], shared: bool = False,
     ) -> None:
         self.conn = conn
         self.holder = holder
         self.dedicated = dedicated
+        #: A member's session, shared with other features: never unlock_all on it.
+        self.shared = shared
         self.saved = saved  # settings to put back before the connection goes back
         self.lost_reason: str | None = None
         self.retired = False
@@ -333,6 +338,9 @@ class _Carrier:
             self._probe.cancel()
         if self.lost:
             return  # mark_lost discards it
+        if self.shared:
+            await self._let_go_of_shared()
+            return
         try:
             async with self._io:
                 self._io_owner = "cleanup"
@@ -349,6 +357,20 @@ class _Carrier:
             await self.discard()
             if isinstance(exc, asyncio.CancelledError):
                 raise
+
+
+    async def _let_go_of_shared(self) -> None:
+        """Retire on a member's session: send the unlocks not yet sent and undo the
+        locks still held by bodies, key by key; the session itself stays."""
+        try:
+            async with self._io:
+                self._io_owner = "cleanup"
+                await self._send_unlocks()
+                keys = [(held.request.key, held.request.shared) for held in self.holding]
+                await self._undo(keys)
+        finally:
+            self.conn.terminate()
+            self._discarded = True
 
 
 @functools.lru_cache(maxsize=4096, typed=True)
@@ -408,7 +430,18 @@ class LockHolder:
         self.max_wait_connections = max_wait_connections
         self.defer_unlocks = bool(defer_unlocks)
         self._cleanup_bound = min(CLEANUP_TIMEOUT, max(1.0, self.keepalive))
-        self._source: ConnectionSource = connection_source(source, driver, self.keepalive)
+        from .member import Member
+
+        # Given a Member, the main connection is the member's session (locks that
+        # are free when asked for cost no connection at all); locks that must wait
+        # open connections of their own from the member's DSN, as from a DSN.
+        self._member: Member | None = source if isinstance(source, Member) else None
+        if self._member is not None:
+            if driver is not None:
+                raise ValueError("driver= belongs to the Member, not its LockHolder")
+            self._source: ConnectionSource = self._member._source
+        else:
+            self._source = connection_source(source, driver, self.keepalive)
         self._main: _Carrier | None = None
         self._main_lock = asyncio.Lock()
         self._carriers: set[_Carrier] = set()
@@ -441,7 +474,11 @@ class LockHolder:
         self._open = False
         carriers, self._main = list(self._carriers), None
         for carrier in carriers:
-            await self._retire(carrier)
+            if carrier.dedicated and not carrier.holding:
+                # Still waiting for its lock: no one will hold it now.
+                carrier.mark_lost("the LockHolder was closed")
+            else:
+                await self._retire(carrier)
         tasks = [t for t in self._tasks if not t.done()]
         if tasks:
             try:
@@ -479,8 +516,9 @@ class LockHolder:
         try:
             await conn.prepare()
             idle = str(max(1, int(self.keepalive / 2)))
-            row = await conn.fetchrow(query("holder_setup_saving"), self.application_name, idle,
-                                      idle, str(int(self.keepalive * 1000)))
+            row = await conn.fetchrow(
+                query("holder_setup_saving"), self.application_name, idle, idle,
+                str(int(self.keepalive * 1000)), str(int(min(1.0, self.keepalive / 2) * 1000)))
             assert row is not None
             conn.backend_pid = int(row[0])
             saved = (list(row[1]), list(row[2]))
@@ -509,9 +547,24 @@ class LockHolder:
         async with self._main_lock:
             main = self._main
             if main is None or main.lost:
-                main = self._main = await self._setup(await self._source.open(), dedicated=False)
-                main.start_probe()
+                if self._member is not None:
+                    main = self._main = await self._on_member(self._member)
+                else:
+                    main = self._main = await self._setup(await self._source.open(), dedicated=False)
+                    main.start_probe()
             return main
+
+    async def _on_member(self, member: Member) -> _Carrier:
+        """The member's session as our main connection: no settings of ours on it
+        (it is shared), no probe (the member heartbeats and hears its loss)."""
+        await member.wait_joined()
+        if member.polling:
+            raise UnsupportedConnection(
+                "LockHolder needs a session, but this member goes through a transaction-mode "
+                "pooler (it has none)")
+        carrier = _Carrier(member.session(), self, dedicated=False, saved=([], []), shared=True)
+        self._carriers.add(carrier)
+        return carrier
 
     async def _waiting_carrier(self, request: LockRequest) -> _Carrier:
         """A connection of its own for a lock that must wait, if one can be had at once."""
