@@ -100,21 +100,25 @@ WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
 -- connection can go back exactly as it came (holder_give_back). For each name,
 -- its session-level value, or NULL where it had none (set_config with NULL goes
 -- back to the connection's default). The MATERIALIZED CTE is read before any
--- set_config of the outer query runs.
+-- set_config of the outer query runs. client_connection_check_interval ($5 ms)
+-- makes a backend that waits for a lock notice that its client went away (the
+-- wait is dropped then, instead of being granted to a session nobody reads).
 WITH previous AS MATERIALIZED (
     SELECT pg_catalog.array_agg(name ORDER BY name) AS names,
            pg_catalog.array_agg(CASE WHEN source = 'session' THEN setting END ORDER BY name)
                AS settings
     FROM pg_catalog.pg_settings
     WHERE name IN ('application_name', 'tcp_keepalives_idle', 'tcp_keepalives_interval',
-                   'tcp_keepalives_count', 'tcp_user_timeout')
+                   'tcp_keepalives_count', 'tcp_user_timeout',
+                   'client_connection_check_interval')
 )
 SELECT pg_catalog.pg_backend_pid(), previous.names, previous.settings,
        pg_catalog.set_config('application_name', $1, false),
        pg_catalog.set_config('tcp_keepalives_idle', $2, false),
        pg_catalog.set_config('tcp_keepalives_interval', $3, false),
        pg_catalog.set_config('tcp_keepalives_count', '3', false),
-       pg_catalog.set_config('tcp_user_timeout', $4, false)
+       pg_catalog.set_config('tcp_user_timeout', $4, false),
+       pg_catalog.set_config('client_connection_check_interval', $5, false)
 FROM previous
 
 -- name: holder_give_back

@@ -162,6 +162,27 @@ async def test_locks_that_wait_use_at_most_max_wait_connections(
     assert advisory_locks(dsn) == []
 
 
+async def test_closing_the_holder_ends_a_wait_at_once(
+    dsn: str, blocker: Blocker,  # noqa: F811
+) -> None:
+    blocker.hold("hostile:closing")
+    holder = pgcoord.LockHolder(dsn, keepalive=30)
+    await holder.open()
+
+    async def take() -> None:
+        async with holder.lock("hostile:closing"):
+            pytest.fail("granted")
+
+    task = asyncio.create_task(take())
+    await eventually(lambda: waiting_count(dsn) == 1)
+    started = time.monotonic()
+    await holder.close()
+    assert time.monotonic() - started < 2
+    with pytest.raises(pgcoord.LockLost, match="closed"):
+        await asyncio.wait_for(task, 5)
+    await eventually(lambda: waiting_count(dsn) == 0)
+
+
 def test_max_wait_connections_is_checked_at_construction() -> None:
     with pytest.raises(ValueError):
         pgcoord.LockHolder("postgresql://x/y", max_wait_connections=-1)
@@ -335,7 +356,8 @@ async def test_a_borrowed_connection_goes_back_with_the_settings_it_came_with(
                     row = await (await conn.execute(
                         "select current_setting('application_name'),"
                         " current_setting('tcp_user_timeout'),"
-                        " current_setting('tcp_keepalives_idle'), pg_backend_pid()")).fetchone()
+                        " current_setting('tcp_keepalives_idle'),"
+                        " current_setting('client_connection_check_interval'), pg_backend_pid()")).fetchone()
                     return (*row, conn.autocommit)
             from sqlalchemy import text
 
@@ -343,7 +365,8 @@ async def test_a_borrowed_connection_goes_back_with_the_settings_it_came_with(
                 row = (await conn.execute(text(
                     "select current_setting('application_name'),"
                     " current_setting('tcp_user_timeout'),"
-                    " current_setting('tcp_keepalives_idle'), pg_backend_pid()"))).one()
+                    " current_setting('tcp_keepalives_idle'),"
+                    " current_setting('client_connection_check_interval'), pg_backend_pid()"))).one()
                 raw = await conn.get_raw_connection()
                 autocommit = raw.driver_connection.autocommit
                 await conn.rollback()
