@@ -182,12 +182,13 @@ async def test_wait_false_sees_a_holder_in_the_same_process(dsn: str) -> None:
 
 # -- cancellation racing a grant ------------------------------------------------------
 
-async def test_two_hundred_cancels_racing_grants_leave_no_lock(dsn: str) -> None:
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_two_hundred_cancels_racing_grants_leave_no_lock(dsn: str, driver: str) -> None:
     rng = random.Random(7)
     key = pgcoord.lock_key("holder:race")
     other = await asyncpg.connect(dsn)
     try:
-        async with pgcoord.LockHolder(dsn) as holder:
+        async with pgcoord.LockHolder(dsn, driver=driver) as holder:
             for i in range(200):
                 contended = i % 2 == 0
                 if contended:
