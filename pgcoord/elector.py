@@ -282,13 +282,17 @@ class Elector:
                 await conn.close_now()
 
     def _abandon_session(self) -> None:
-        """For a cleanup abandoned at its bound: never blocks. The session counts as
-        lost from now on, and is closed in a task of its own (closing it releases
-        the doorbell, and the lease row's session is then gone)."""
+        """For a statement given up while in flight (a cleanup past its bound, a
+        renewal past the trust window), after its task was cancelled: never blocks.
+        The connection is cut at once (``abort``: the server ends the session, which
+        releases the doorbell, and the cancelled statement ends without a cancel
+        request over a network that may not answer); the session counts as lost,
+        and what is left of closing it runs in a task of its own."""
         if self._lost is not None:
             self._lost.set()
         conn, self._conn = self._conn, None
         if conn is not None:
+            conn.abort()
             closing = asyncio.ensure_future(conn.close_now())
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
@@ -448,6 +452,9 @@ class Elector:
                 if not done:
                     attempt.cancel()
                     attempt.add_done_callback(consume_result)
+                    # A session that cannot renew in time is of no more use: cut it
+                    # now rather than wait for the cancelled statement.
+                    self._abandon_session()
                     reason = "renewal did not answer within the trust window"
                     break
                 error = attempt.exception()

@@ -36,8 +36,10 @@ from ._drivers import (
     fetchval_on,
     fetchval_on_sync,
     is_async_connection,
-    run_statement,
+    release_async,
+    tx_session,
 )
+from ._drivers.base import AsyncTxSession
 from ._keys import lock_key
 from ._queries import query
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
@@ -158,6 +160,39 @@ def _attempts(source: Any) -> int:
     return MIN_ATTEMPTS if capacity is None else min(max(MIN_ATTEMPTS, capacity + 1), MAX_ATTEMPTS)
 
 
+class _Statement:
+    """Statements in a transaction of their own, each on a connection borrowed from
+    the source for it alone, that can be given up without waiting on the server.
+
+    ``abandon()`` (sync, never blocks) cuts the connection of the statement in
+    flight, for a renewal given up at the end of the trust window or a release past
+    its bound: the server ends that session, the pool drops the connection, and the
+    cancelled statement ends at once, without a cancel request over a network that
+    may not answer (psycopg before 3.2 would send one on the event loop's thread).
+    """
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+        self._session: AsyncTxSession | None = None
+
+    async def row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        session = tx_session(self._source, want_async=True)
+        assert isinstance(session, AsyncTxSession)
+        await session.checkout()
+        self._session = session
+        try:
+            with _errmap.schema_missing_raised():
+                return await session.run_autocommit(sql, params)
+        finally:
+            self._session = None
+            await release_async(session, rollback=False)
+
+    def abandon(self) -> None:
+        session = self._session
+        if session is not None:
+            session.sever()
+
+
 async def _retried(what: str, attempts: int, attempt: Callable[[bool], Awaitable[T]]) -> T:
     """``attempt(retrying)``, tried again while it fails on a dead connection.
 
@@ -242,8 +277,8 @@ class Lease:
         window = self._window
         self._trust_until = sent_at + window - trust_margin(window)
 
-    async def _row(self, name: str, *params: Any) -> tuple[Any, ...] | None:
-        return await run_statement(self._source, query(name), params)
+    async def _row(self, name: str, *params: Any, via: _Statement | None = None) -> tuple[Any, ...] | None:
+        return await (via or _Statement(self._source)).row(query(name), params)
 
     async def _take(self, retrying: bool) -> tuple[Any, ...] | None:
         bell = self._bell
@@ -357,10 +392,11 @@ class Lease:
 
     # -- renewal ------------------------------------------------------------------------------
 
-    async def _renew(self, fence: int) -> tuple[Any, ...] | None:
+    async def _renew(self, fence: int, via: _Statement) -> tuple[Any, ...] | None:
         async def once(_retrying: bool) -> tuple[Any, ...] | None:
             # Idempotent: a second renewal only moves the expiry a little further.
-            return await self._row("lease_renew", self.name, self.holder, fence, self._ttl_ms)
+            return await self._row("lease_renew", self.name, self.holder, fence, self._ttl_ms,
+                                   via=via)
 
         return await _retried(f"renewing lease {self.name!r}", self._attempts, once)
 
@@ -373,12 +409,14 @@ class Lease:
         while self.fence == fence and self._lost is None:
             await asyncio.sleep(max(0.0, self._next_renewal - time.monotonic()))
             sent = time.monotonic()
-            attempt = asyncio.ensure_future(self._renew(fence))
+            statement = _Statement(self._source)
+            attempt = asyncio.ensure_future(self._renew(fence, statement))
             try:
                 done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
             finally:
                 if not attempt.done():  # timed out, or release() cancelled us
                     attempt.cancel()
+                    statement.abandon()
                     attempt.add_done_callback(consume_result)
             if not done:
                 self._lose("no renewal succeeded before the trust window closed")
@@ -428,14 +466,19 @@ class Lease:
         if renewer is None and fence is None:
             return
         bound = RELEASE_TIMEOUT
+        statement = _Statement(self._source)
         try:
-            await finish_despite_cancel(self._give_up(renewer, fence, bound), bound=bound)
+            await finish_despite_cancel(self._give_up(renewer, fence, bound, statement), bound=bound,
+                                        on_timeout=statement.abandon)
         except CleanupTimeout:
             log.warning("releasing lease %r (fence %s) did not finish within %.1f s; gave up: "
                         "the lease will expire on its own within %.1f s of its last renewal",
                         self.name, fence, bound, self.ttl)
 
-    async def _give_up(self, renewer: asyncio.Task[None] | None, fence: int | None, bound: float) -> None:
+    async def _give_up(
+        self, renewer: asyncio.Task[None] | None, fence: int | None, bound: float,
+        statement: _Statement,
+    ) -> None:
         # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
         if renewer is not None:
             renewer.cancel()
@@ -446,7 +489,7 @@ class Lease:
         async def once(_retrying: bool) -> None:
             # Idempotent: once released, the row no longer matches holder and fence.
             await self._row("lease_release_bounded", self.name, self.holder, fence,
-                            lock_timeout_setting(bound))
+                            lock_timeout_setting(bound), via=statement)
 
         try:
             await _retried(f"releasing lease {self.name!r}", self._attempts, once)
