@@ -38,6 +38,13 @@ async def test_locks_on_a_member_cost_no_connection_and_close_leaves_the_member_
                 held = [k for p, k, g in advisory_locks(dsn) if p == pid]
                 assert pgcoord.lock_key("hm:a") in held and pgcoord.lock_key("hm:b") in held
                 assert connections(dsn, app) == 2
+                # Operators see which member holds what.
+                rows = sql(dsn, "select name, member from pgcoord.holders where kind = 'advisory'"
+                                " and key = pgcoord.lock_key('hm:a')")
+                assert rows == [(None, member.name)] or rows == [("hm:a", member.name)]
+                rows = sql(dsn, "select member from pgcoord.holders where kind = 'lease' and name = %s",
+                           f"{app}:lead")
+                assert rows == [(member.name,)]
             await holder.flush()
         # The holder's locks are gone; the member's alive lock and the elector's
         # doorbell on the same session are not.
