@@ -174,12 +174,14 @@ class _Statement:
     def __init__(self, source: Any) -> None:
         self._source = source
         self._session: AsyncTxSession | None = None
+        #: Whether the pool ever lent a connection (False: all were in use meanwhile).
+        self.lent = False
 
     async def row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         session = tx_session(self._source, want_async=True)
         assert isinstance(session, AsyncTxSession)
         await session.checkout()
-        self._session = session
+        self._session, self.lent = session, True
         try:
             with _errmap.schema_missing_raised():
                 return await session.run_autocommit(sql, params)
@@ -406,6 +408,15 @@ class Lease:
         terminated session or a server restart in between is tried again."""
         fence = self.fence
         assert fence is not None
+        try:
+            await self._renew_until_lost(fence)
+        except Exception as exc:
+            # Not the database (that is retried above): a bug. The loop is over, so
+            # stop believing now rather than when the window closes, unannounced.
+            log.exception("lease %r: the renewal loop failed", self.name)
+            self._lose(f"the renewal loop failed: {exc!r}")
+
+    async def _renew_until_lost(self, fence: int) -> None:
         while self.fence == fence and self._lost is None:
             await asyncio.sleep(max(0.0, self._next_renewal - time.monotonic()))
             sent = time.monotonic()
@@ -419,7 +430,10 @@ class Lease:
                     statement.abandon()
                     attempt.add_done_callback(consume_result)
             if not done:
-                self._lose("no renewal succeeded before the trust window closed")
+                self._lose("no renewal succeeded before the trust window closed" + (
+                    "" if statement.lent else
+                    ": the pool had no free connection for it meanwhile (does the body hold "
+                    "them all? a pool of one more connection than the body uses would do)"))
                 return
             error = attempt.exception()
             if error is None:
@@ -471,9 +485,11 @@ class Lease:
             await finish_despite_cancel(self._give_up(renewer, fence, bound, statement), bound=bound,
                                         on_timeout=statement.abandon)
         except CleanupTimeout:
-            log.warning("releasing lease %r (fence %s) did not finish within %.1f s; gave up: "
+            log.warning("releasing lease %r (fence %s) did not finish within %.1f s%s; gave up: "
                         "the lease will expire on its own within %.1f s of its last renewal",
-                        self.name, fence, bound, self.ttl)
+                        self.name, fence, bound,
+                        "" if statement.lent else " (the pool had no free connection for it)",
+                        self.ttl)
 
     async def _give_up(
         self, renewer: asyncio.Task[None] | None, fence: int | None, bound: float,

@@ -351,6 +351,44 @@ async def test_a_pool_of_two_renews_while_the_body_holds_a_connection(kind: str,
             assert lease.valid
 
 
+async def _borrow(kind: str, source: Any) -> tuple[Any, Any]:
+    """Check a connection out of ``source``; (connection, how to give it back)."""
+    if kind == "asyncpg-pool":
+        conn = await source.acquire()
+        return conn, lambda: source.release(conn)
+    if kind == "psycopg-pool":
+        conn = await source.getconn()
+        return conn, lambda: source.putconn(conn)
+    conn = await source.connect()
+    return conn, conn.close
+
+
+@pytest.mark.parametrize("kind", ASYNC_POOLS)
+async def test_a_body_holding_every_connection_loses_the_lease_at_the_window_and_is_told_why(
+    kind: str, dsn: str,
+) -> None:
+    """A renewal that cannot get a connection waits for the pool only until the trust
+    window closes (not the pool's own timeout), and the loss says why."""
+    name = unique("lease:starved")
+    async with open_async(kind, dsn, size=2) as source:
+        if kind.startswith("sa-"):
+            source.pool._max_overflow = 0  # pool_size=2, no overflow: two connections at most
+        lease = pgcoord.Lease(source, name, ttl=0.9)
+        started = 0.0
+        with pytest.raises(pgcoord.LeaseLost, match="no free connection"):
+            async with lease:
+                held = [await _borrow(kind, source) for _ in range(2)]
+                started = time.monotonic()
+                try:
+                    await asyncio.sleep(30)
+                finally:
+                    for _, give_back in held:
+                        await give_back()
+        assert time.monotonic() - started < 0.9 + 1.5
+        # The release had a connection again: the lease is free at once, not at expiry.
+        assert sql(dsn, "select holder from pgcoord.leases where name = %s", name) == [(None,)]
+
+
 # -- 5. renewals survive a restart; a long outage loses the lease, not the process ------------
 
 @pytest.fixture(scope="module")
