@@ -29,7 +29,7 @@ from pgcoord._drivers import run_statement
 
 from .conftest import advisory_locks, sql, unique
 from .proxy import FreezableProxy
-from .small_pools import ASYNC_KINDS, observe, open_async, pid_of, state_async
+from .small_pools import ASYNC_KINDS, observe, open_async, open_sync, pid_of, state_async
 
 BOUND = 0.5
 SLACK = 2.0  # a loaded two-core machine; the unbounded cases take 30 s or forever
@@ -249,3 +249,56 @@ async def _exec(conn: Any, statement: str) -> None:
         await conn.exec_driver_sql(statement)
     else:
         await conn.execute(statement)
+
+
+# -- sync sources: a watchdog thread cuts the socket past the bound ---------------
+
+SYNC_KINDS = ["psycopg-sync-pool", "psycopg-sync-conn", "sa-sync-engine", "sa-sync-conn"]
+
+
+@pytest.mark.parametrize("kind", SYNC_KINDS)
+async def test_a_sync_rollback_on_a_silent_network_gives_the_caller_its_own_error_in_time(
+    kind: str, dsn: str, proxy: FreezableProxy,
+) -> None:
+    """Run in a thread so that the test's event loop (and the proxy) go on."""
+    key = unique("hostile")
+
+    def run() -> tuple[float, int, Any]:
+        with open_sync(kind, proxy.dsn(dsn)) as source:
+            pid = 0
+            started = 0.0
+            with pytest.raises(Boom), pgcoord.exclusive(source, key) as conn:
+                pid = _spid(conn)
+                proxy.freeze()
+                started = time.monotonic()
+                raise Boom
+            took = time.monotonic() - started
+            proxy.frozen.clear()
+            after = None
+            if "conn" not in kind:  # the pool goes on with a new connection
+                with pgcoord.exclusive(source, key, wait=False) as conn:
+                    after = _spid(conn)
+            else:
+                after = _sync_closed(source)
+            return took, pid, after
+
+    took, pid, after = await asyncio.to_thread(run)
+    assert took < BOUND + SLACK, f"the caller waited {took:.1f} s for a cleanup bounded at {BOUND} s"
+    await _gone(dsn, pid)
+    assert advisory_locks(dsn) == []
+    if "conn" in kind:
+        assert after is True, "the connection the caller passed in was closed"
+    else:
+        assert after != pid
+
+
+def _spid(conn: Any) -> int:
+    if hasattr(conn, "exec_driver_sql"):
+        return int(conn.exec_driver_sql("select pg_backend_pid()").scalar_one())
+    return int(conn.info.backend_pid)
+
+
+def _sync_closed(conn: Any) -> bool:
+    if hasattr(conn, "invalidated"):
+        return bool(conn.invalidated)
+    return bool(conn.closed)
