@@ -116,7 +116,7 @@ class AsyncpgSession(AsyncTxSession):
     async def rollback(self) -> None:
         tx, self._tx = self._tx, None
         raw = _raw(self.conn)
-        if tx is not None and raw._top_xact is tx:
+        if tx is not None and getattr(raw, "_top_xact", tx) is tx:
             await tx.rollback()
         else:
             # BEGIN;lock failed or was cancelled before the transaction was
