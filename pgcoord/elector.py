@@ -371,6 +371,11 @@ class Elector:
             fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
                                      conn.backend_pid if rang else None)
             if fence is not None:
+                if not rang and not self.polling:
+                    # Taken while the old holder's session was ending (its bell
+                    # still held when we tried): take the bell now and tie the
+                    # lease to our session, so our own death is heard at once.
+                    rang = await self._bind(conn, int(fence))
                 return int(fence), rang, sent
             if rang:
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
@@ -385,6 +390,16 @@ class Elector:
                 news.cancel()
             if self._lost.is_set():
                 raise _SessionLost("the member's session was lost")
+
+    async def _bind(self, conn: HolderConnection, fence: int) -> bool:
+        if not await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell):
+            return False
+        self._rang(conn, +1)
+        if await self._call(query("lease_bind_session"), self.name, self.holder, fence, conn.backend_pid):
+            return True
+        await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
+        self._rang(conn, -1)
+        return False
 
     async def _call_execute(self, sql: str) -> None:
         conn = self._conn

@@ -185,6 +185,14 @@ class _Statement:
         try:
             with _errmap.schema_missing_raised():
                 return await session.run_autocommit(sql, params)
+        except Exception as exc:
+            if _dead_connection(exc):
+                # Cut it before giving it back, so the pool replaces it: asyncpg
+                # before 0.30 would keep a connection the server closed (or one whose
+                # protocol state the loss confused) out of its queue for good, and
+                # the pool would shrink by one at every such loss.
+                session.sever()
+            raise
         finally:
             self._session = None
             await release_async(session, rollback=False)
@@ -351,6 +359,16 @@ class Lease:
             self._bell = bell
         return rang
 
+    async def _bind(self, fence: int) -> None:
+        """Taken while the bell was still held by the old holder's ending session:
+        take the bell now and tie the lease to our member's session."""
+        if await self._ring():
+            bell = self._bell
+            assert bell is not None
+            if not await bell.fetchval(query("lease_bind_session"), self.name, self.holder, fence,
+                                       bell.backend_pid):
+                self._unring()
+
     def _unring(self) -> None:
         bell, self._bell = self._bell, None
         if bell is not None:
@@ -360,18 +378,21 @@ class Lease:
         while True:
             self._news.clear()
             sent = time.monotonic()
-            row = None
-            if await self._ring():
-                try:
-                    row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
-                except PgcoordError:
-                    self._unring()
-                    raise
-                except Exception as exc:
-                    self._unring()
-                    raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
-                if row is None:
-                    self._unring()
+            # With a member, the bell first (False: a live session holds it; the
+            # lease may still be free or expired, and is then taken unbound).
+            rang = await self._ring()
+            try:
+                row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
+            except PgcoordError:
+                self._unring()
+                raise
+            except Exception as exc:
+                self._unring()
+                raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
+            if row is None:
+                self._unring()
+            elif not rang and self._member is not None:
+                await self._bind(int(row[0]))
             if row is not None:
                 self.fence, self._lost = int(row[0]), None
                 self._trust(sent)

@@ -49,6 +49,7 @@ WHERE j.state = 'running';
 COMMENT ON VIEW pgcoord.holders IS
     'pgcoord: one row per current holder or waiter (advisory locks; leases and jobs join in later revisions).';
 
+DROP FUNCTION pgcoord.lease_bind_session(text, text, bigint, integer);
 DROP FUNCTION pgcoord.job_expire_member_claims(integer);
 DROP FUNCTION pgcoord.lease_renew_asking(text, text, bigint, bigint);
 DROP FUNCTION pgcoord.request_resign(text);

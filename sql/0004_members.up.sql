@@ -338,3 +338,19 @@ FROM pgcoord.job_slots AS j
 LEFT JOIN pgcoord.member_sessions AS ms
        ON j.runner = ms.name || '/' || ms.id::text AND ms.left_at IS NULL
 WHERE j.state = 'running';
+
+-- Tie a lease just taken to the taker's session (its doorbell now held there):
+-- for a takeover that raced the old holder's exit, taken before the bell was free.
+CREATE FUNCTION pgcoord.lease_bind_session(
+    lease_name text, lease_holder text, lease_fence bigint, session_pid integer
+) RETURNS boolean
+    LANGUAGE sql
+    AS $body$
+        WITH bound AS (
+            UPDATE pgcoord.leases AS l SET holder_pid = session_pid
+             WHERE l.name = lease_name AND l.holder = lease_holder AND l.fence = lease_fence
+               AND l.expires_at > pg_catalog.clock_timestamp()
+            RETURNING 1
+        )
+        SELECT EXISTS (SELECT 1 FROM bound)
+    $body$;

@@ -68,3 +68,6 @@ SELECT resign FROM pgcoord.lease_renew_asking($1, $2, $3, $4)
 
 -- name: lease_request_resign
 SELECT pgcoord.request_resign($1)
+
+-- name: lease_bind_session
+SELECT pgcoord.lease_bind_session($1, $2, $3, $4)

@@ -266,14 +266,19 @@ async def test_acquire_and_release_survive_terminated_idle_pool_connections(
                 await asyncio.sleep(0.001 * i)
             elif i % 3 == 2:
                 time.sleep(0.001 * i)
-            fences.append(await lease.acquire(wait=False))
+            # (Bounded: a pool that lost its connections on the way would wait forever.)
+            fences.append(await asyncio.wait_for(lease.acquire(wait=False), 10))
             terminated += terminate_idle(dsn)
             if i % 2:
                 await asyncio.sleep(0.002 * i)
-            await lease.release()
+            await asyncio.wait_for(lease.release(), 10)
             assert sql(dsn, "select holder from pgcoord.leases where name = %s", name) == [(None,)]
         assert fences == list(range(fences[0], fences[0] + 12))
         assert terminated >= 6  # the pool really was handing out terminated connections
+        # No connection was lost to the pool on the way: all four can be had at once.
+        held = await asyncio.wait_for(asyncio.gather(*(_borrow(kind, source) for _ in range(4))), 10)
+        for _, give_back in held:
+            await give_back()
 
 
 @pytest.mark.parametrize("kind", ASYNC_POOLS)
