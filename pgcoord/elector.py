@@ -356,9 +356,17 @@ class Elector:
     async def _campaign_on_member(self) -> tuple[int, bool, float]:
         """As ``_campaign``, on a shared session: try the bell, never wait on it;
         between tries wait for news (a member gone, the lease released or taken)
-        or a third of a ttl."""
+        or a third of a ttl.
+
+        While another session holds the bell, a contender is mid-attempt or a
+        leader lives: the lease is not asked for then, so that it is never taken
+        unbound (with no session to tie it to) in a race with that contender.
+        Only after a third of a ttl without news is it asked for without the
+        bell, for a lease whose bell is held by a session that no longer renews
+        it (the lease expires)."""
         conn = self._conn
         assert conn is not None and self._lost is not None
+        quiet = False
         while True:
             self._news.clear()  # before looking, so news that comes meanwhile is kept
             rang = False
@@ -367,19 +375,18 @@ class Elector:
                     query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell))
                 if rang:
                     self._rang(conn, +1)
-            sent = time.monotonic()
-            fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
-                                     conn.backend_pid if rang else None)
-            if fence is not None:
-                if not rang and not self.polling:
-                    # Taken while the old holder's session was ending (its bell
-                    # still held when we tried): take the bell now and tie the
-                    # lease to our session, so our own death is heard at once.
-                    rang = await self._bind(conn, int(fence))
-                return int(fence), rang, sent
-            if rang:
-                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
-                self._rang(conn, -1)
+            if rang or self.polling or quiet:
+                sent = time.monotonic()
+                fence = await self._call(query("lease_acquire"), self.name, self.holder,
+                                         self._ttl_ms, conn.backend_pid if rang else None)
+                if fence is not None:
+                    if not rang and not self.polling:
+                        rang = await self._bind(conn, int(fence))
+                    return int(fence), rang, sent
+                if rang:
+                    await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
+                                     self._doorbell)
+                    self._rang(conn, -1)
             lost = asyncio.ensure_future(self._lost.wait())
             news = asyncio.ensure_future(self._news.wait())
             try:
@@ -390,15 +397,31 @@ class Elector:
                 news.cancel()
             if self._lost.is_set():
                 raise _SessionLost("the member's session was lost")
+            quiet = not self._news.is_set()
+            if not quiet:
+                # News: whoever held the bell is letting go of it (a contender
+                # that lost, a leader resigning or gone): look again in a moment
+                # rather than at the next news.
+                await asyncio.sleep(random.uniform(0.002, 0.01))
 
     async def _bind(self, conn: HolderConnection, fence: int) -> bool:
-        if not await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell):
-            return False
-        self._rang(conn, +1)
-        if await self._call(query("lease_bind_session"), self.name, self.holder, fence, conn.backend_pid):
-            return True
-        await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
-        self._rang(conn, -1)
+        """The lease was taken without the bell (a third of a ttl without news, or
+        the old holder's session was ending): take the bell now, and tie the lease
+        to our session so that our own death is heard at once. The bell may still
+        be held for a moment by a contender that lost: a few tries."""
+        for attempt in range(5):
+            if await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell):
+                self._rang(conn, +1)
+                if await self._call(query("lease_bind_session"), self.name, self.holder, fence,
+                                    conn.backend_pid):
+                    return True
+                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
+                self._rang(conn, -1)
+                return False
+            await asyncio.sleep(0.01 * (attempt + 1))
+        log.warning("elector %r: leads with fence %d without its session's bell (held elsewhere); "
+                    "a crash of this replica is then noticed only when the lease expires",
+                    self.name, fence)
         return False
 
     async def _call_execute(self, sql: str) -> None:
@@ -536,12 +559,19 @@ class Elector:
                         "the row is free", self.name, fence, bound)
 
     async def _resign(self, fence: int, rang: bool, bound: float) -> None:
-        """Release the row first, then the doorbell, so a woken follower finds it free."""
+        """Release the row first, then the doorbell, so a follower woken by the bell
+        finds the row free. On a member's session followers are woken by the row's
+        NOTIFY instead, so there the bell goes first and the row's news finds it
+        free (we no longer lead either way: nobody may think so from here on)."""
         # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
+        bell_first = self._member is not None
         try:
+            if rang and bell_first:
+                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
+                self._rang(self._conn, -1)
             await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
                              lock_timeout_setting(bound))
-            if rang:
+            if rang and not bell_first:
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
                                  self._doorbell)
                 self._rang(self._conn, -1)

@@ -362,12 +362,17 @@ class Lease:
     async def _bind(self, fence: int) -> None:
         """Taken while the bell was still held by the old holder's ending session:
         take the bell now and tie the lease to our member's session."""
-        if await self._ring():
-            bell = self._bell
-            assert bell is not None
-            if not await bell.fetchval(query("lease_bind_session"), self.name, self.holder, fence,
-                                       bell.backend_pid):
-                self._unring()
+        for attempt in range(5):  # a contender that lost lets go of the bell at once
+            if await self._ring():
+                bell = self._bell
+                assert bell is not None
+                if not await bell.fetchval(query("lease_bind_session"), self.name, self.holder, fence,
+                                           bell.backend_pid):
+                    self._unring()
+                return
+            await asyncio.sleep(0.01 * (attempt + 1))
+        log.warning("lease %r: held with fence %d without its member's bell (held elsewhere): if "
+                    "this process dies, the lease is free only when it expires", self.name, fence)
 
     def _unring(self) -> None:
         bell, self._bell = self._bell, None
@@ -375,24 +380,29 @@ class Lease:
             bell.terminate()  # unlocks the doorbell on the member's session
 
     async def _acquire(self, wait: bool, limit: float | None, deadline: float | None) -> int:
+        quiet = False
         while True:
             self._news.clear()
             sent = time.monotonic()
-            # With a member, the bell first (False: a live session holds it; the
-            # lease may still be free or expired, and is then taken unbound).
+            # With a member, the bell first. While a live session holds it (a
+            # holder, or a contender mid-attempt) the lease is asked for only when
+            # waiting is not allowed or a wait went by without news: else it could
+            # be taken unbound, in a race with that contender.
             rang = await self._ring()
-            try:
-                row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
-            except PgcoordError:
-                self._unring()
-                raise
-            except Exception as exc:
-                self._unring()
-                raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
-            if row is None:
-                self._unring()
-            elif not rang and self._member is not None:
-                await self._bind(int(row[0]))
+            row = None
+            if rang or self._member is None or not wait or quiet:
+                try:
+                    row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
+                except PgcoordError:
+                    self._unring()
+                    raise
+                except Exception as exc:
+                    self._unring()
+                    raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
+                if row is None:
+                    self._unring()
+                elif not rang and self._member is not None:
+                    await self._bind(int(row[0]))
             if row is not None:
                 self.fence, self._lost = int(row[0]), None
                 self._trust(sent)
@@ -412,6 +422,7 @@ class Lease:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await self._news.wait()
+            quiet = not self._news.is_set()
 
     # -- renewal ------------------------------------------------------------------------------
 

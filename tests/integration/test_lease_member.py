@@ -40,8 +40,11 @@ async def test_a_dead_member_s_lease_is_taken_over_without_waiting_out_its_ttl(d
             new_fence = await asyncio.wait_for(waiting, 5)
             assert new_fence == fence + 1
             assert time.monotonic() - killed < 3.0
-            # The old holder stopped believing at once.
-            assert not held.valid
+            # The old holder stopped believing at once (its own process hears of
+            # its session's end in the same milliseconds as the taker).
+            async with asyncio.timeout(1):
+                while held.valid:
+                    await asyncio.sleep(0.005)
             with pytest.raises(pgcoord.LeaseLost):
                 held.ensure()
             await held.release()
