@@ -330,3 +330,80 @@ def test_sync_one_connection_is_enough_the_first_time_a_name_is_used(kind: str, 
         with pgcoord.exclusive(source, name, wait=False):
             pass
         assert state_sync(kind, source, dsn)["after"] == ("idle", [])
+
+
+# -- read-only, deferrable, serializable psycopg connections ----------------------
+
+
+class Boom2(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["ok", "body-error", "busy", "cancel-wait"])
+@pytest.mark.parametrize("kind", ["psycopg-pool", "psycopg-conn"])
+async def test_psycopg_read_only_deferrable_characteristics_come_back(
+    kind: str, mode: str, dsn: str,
+) -> None:
+    """The characteristics pgcoord writes into its own BEGIN are the connection's,
+    and the connection keeps them afterwards."""
+    import psycopg_pool
+
+    key = unique("giveback")
+    # Not SERIALIZABLE: a SERIALIZABLE READ ONLY DEFERRABLE transaction waits for
+    # a safe snapshot while a serializable writer is open, before any lock.
+    other = Other(dsn)
+    other.conn.isolation_level = None
+
+    async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+        await conn.set_isolation_level(psycopg.IsolationLevel.SERIALIZABLE)
+        await conn.set_read_only(True)
+        await conn.set_deferrable(True)
+
+    async def open_source() -> Any:
+        if kind == "psycopg-pool":
+            pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False,
+                                                    timeout=5, configure=configure)
+            await pool.open()
+            return pool
+        conn = await psycopg.AsyncConnection.connect(dsn)
+        await configure(conn)
+        return conn
+
+    source = await open_source()
+    try:
+        before = await state_async(kind, source, dsn)
+        assert before["probe"][:2] == ("serializable", "on")
+
+        async def body() -> None:
+            async with pgcoord.exclusive(source, key, wait=mode != "busy") as conn:
+                row = await (await conn.execute("select current_setting('transaction_isolation'),"
+                                                " current_setting('transaction_read_only'),"
+                                                " current_setting('transaction_deferrable')")).fetchone()
+                assert row == ("serializable", "on", "on")
+                if mode == "body-error":
+                    raise Boom2
+
+        if mode in ("busy", "cancel-wait"):
+            other.conn.execute("select pg_advisory_xact_lock(%s)", (pgcoord.lock_key(key),))
+        if mode == "cancel-wait":
+            task = asyncio.create_task(body())
+            await _wait_until(lambda: _waiting_on(dsn, pgcoord.lock_key(key)), "the lock is awaited")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        elif mode == "busy":
+            with pytest.raises(pgcoord.LockBusy):
+                await body()
+        elif mode == "body-error":
+            with pytest.raises(Boom2):
+                await body()
+        else:
+            await body()
+        other.conn.rollback()
+        after = await state_async(kind, source, dsn)
+        now, then = same_but_pid(after, before)
+        assert now == then
+        assert after["pid"] == before["pid"]
+    finally:
+        await source.close()
+        other.close()
