@@ -30,13 +30,22 @@ import logging
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
+from ._aio import consume_result
 from ._queries import query, to_pyformat
 from .errors import PoolExhausted, UnsupportedConnection
 
 log = logging.getLogger("pgcoord.session")
+
+T = TypeVar("T")
+
+# How long a cancelled psycopg < 3.2 statement may take to end by itself before
+# its connection is closed under it (see _Psycopg._run): long enough for the
+# reply to a short statement on a healthy server, short enough that a lock wait
+# someone cancelled does not linger.
+CANCEL_GRACE = 0.25
 
 # How long open_now() lets a pool take to lend a connection it said it had (the
 # pool may have to open it). Past it, the borrower gets PoolExhausted.
@@ -60,6 +69,13 @@ class HolderConnection(ABC):
     @abstractmethod
     async def execute(self, sql: str) -> None:
         """Parameterless SQL, possibly several statements (simple protocol)."""
+
+    async def execute_blocking(self, sql: str) -> None:
+        """``execute()`` for a statement that may wait for long (a lock wait).
+        Where the driver cannot cancel a statement without blocking the event
+        loop (psycopg < 3.2), cancelling this one closes the connection at once
+        instead of first giving it time to end by itself."""
+        await self.execute(sql)
 
     async def prepare(self) -> None:  # noqa: B027 - optional hook
         """Make a fresh or borrowed connection fit for session locks."""
@@ -189,6 +205,7 @@ class _Psycopg(HolderConnection):
         from psycopg.pq import ConnStatus
 
         self.conn = conn
+        self._blocking_cancel = not hasattr(type(conn), "cancel_safe")
         self._lender = lender
         self._ok = ConnStatus.OK
         self._restore_autocommit = False
@@ -284,18 +301,24 @@ class _Psycopg(HolderConnection):
         # Session locks are taken outside transactions: a pooled connection
         # without autocommit gets it for the holder's lifetime.
         if not self.conn.autocommit:
-            self._enter()
-            try:
-                await self.conn.set_autocommit(True)
-            finally:
-                self._leave()
+            await self._run(self._set_autocommit(True), blocking=False)
             self._restore_autocommit = True
 
+    async def _set_autocommit(self, value: bool) -> None:
+        self._enter()
+        try:
+            await self.conn.set_autocommit(value)
+        finally:
+            self._leave()
+
     async def fetchval(self, sql: str, *args: Any) -> Any:
-        row = await self.fetchrow(sql, *args)
+        row = await self._run(self._fetchrow(sql, args), blocking=False)
         return None if row is None else row[0]
 
     async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        return await self._run(self._fetchrow(sql, args), blocking=False)
+
+    async def _fetchrow(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         self._enter()
         try:
             cur = await self.conn.execute(to_pyformat(sql), args or None)
@@ -305,11 +328,41 @@ class _Psycopg(HolderConnection):
         return row
 
     async def execute(self, sql: str) -> None:
+        await self._run(self._execute(sql), blocking=False)
+
+    async def execute_blocking(self, sql: str) -> None:
+        await self._run(self._execute(sql), blocking=True)
+
+    async def _execute(self, sql: str) -> None:
         self._enter()
         try:
             await self.conn.execute(sql)
         finally:
             self._leave()
+
+    async def _run(self, op: Coroutine[Any, Any, T], blocking: bool) -> T:
+        """Run one psycopg operation. psycopg < 3.2 answers a cancellation by
+        sending a cancel request with a blocking call on the event loop, which
+        over a network that does not answer blocks it for good. There the
+        operation runs in a task of its own that a cancellation does not reach:
+        it is given ``CANCEL_GRACE`` seconds to end by itself (none for a
+        ``blocking`` statement), then the connection is closed under it."""
+        if not self._blocking_cancel:
+            return await op
+        task = asyncio.ensure_future(op)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            try:
+                if not blocking and not task.done():
+                    await asyncio.wait([task], timeout=CANCEL_GRACE)
+            finally:
+                if not task.done():
+                    # Closed, the connection fails the cancel request at once.
+                    self.abort()
+                    task.cancel()
+                task.add_done_callback(consume_result)
+            raise
 
     def announced_pid(self) -> int | None:
         return int(self.conn.info.backend_pid)

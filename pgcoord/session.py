@@ -147,7 +147,7 @@ class _Carrier:
         async with self._io:
             self._io_owner = "user"
             try:
-                await self.conn.execute(statement)
+                await self.conn.execute_blocking(statement)
             except BaseException as exc:
                 if not self.lost and _errmap.session_gone(exc):
                     self.mark_lost(f"{type(exc).__name__}: {exc}")

@@ -24,6 +24,8 @@ import pgcoord
 from pgcoord._holderconn import DsnSource
 
 from .conftest import advisory_locks, sql
+from .proxy import FreezableProxy
+from .test_exclusive import Blocker, blocker  # noqa: F401 - fixture
 
 HEARD_WITHIN = 1.0  # generous: the target is 10 ms at p99
 
@@ -151,3 +153,54 @@ async def test_a_given_back_connection_is_no_longer_watched(dsn: str) -> None:
             await conn.execute("select 1")
             assert got == ["x"]
             await conn.execute("unlisten *")
+
+
+async def test_cancelling_a_psycopg_wait_on_a_silent_network_never_blocks_the_event_loop(
+    dsn: str, blocker: Blocker,  # noqa: F811
+) -> None:
+    # psycopg < 3.2 answers a cancellation with a cancel request sent by a
+    # blocking call on the event loop: over a network that does not answer, the
+    # loop would stop for good. pgcoord closes the connection instead.
+    proxy = FreezableProxy("127.0.0.1", int(dsn.rsplit(":", 1)[1].split("/")[0]))
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.create_task(heartbeat())
+    try:
+        blocker.hold("liveness:silent")
+        async with pgcoord.LockHolder(proxy.dsn(dsn), driver="psycopg", keepalive=30) as holder:
+            task = asyncio.create_task(_hold_forever(holder, "liveness:silent"))
+            await _eventually(lambda: any(not g for _, _, g in advisory_locks(dsn)))
+            proxy.freeze()
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 30)
+            assert time.monotonic() - started < 20
+            assert max(gaps) < 1.0, max(gaps)
+            proxy.frozen.clear()
+    finally:
+        beat.cancel()
+        proxy.close()
+    blocker.release()
+    await _eventually(lambda: advisory_locks(dsn) == [])
+
+
+async def _hold_forever(holder: pgcoord.LockHolder, key: str) -> None:
+    async with holder.lock(key):
+        await asyncio.sleep(3600)
+
+
+async def _eventually(check: Any, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
