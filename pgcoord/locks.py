@@ -25,6 +25,12 @@ __all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
 
 log = logging.getLogger("pgcoord.locks")
 
+# A pooled connection that the server ended while it sat idle in its pool
+# (pg_terminate_backend, a restart, idle_session_timeout) is found out only at its
+# first statement. Nothing is locked and no user code has run then, so the lock is
+# asked for again on another connection, this many more times at most.
+DEAD_POOLED_RETRIES = 2
+
 # Names recorded in pgcoord.lock_names by this process. Recording is best effort
 # and happens once per name, so later uses cost no extra round trip.
 _recorded_names: set[int] = set()
@@ -166,25 +172,40 @@ class ExclusiveLock:
     def _name_recorded(self) -> None:
         _recorded_names.add(self.request.key)
 
+    def _found_dead(self, session: AsyncTxSession | SyncTxSession, exc: BaseException) -> bool:
+        """Whether the connection just checked out of a pool was already dead."""
+        return session.pooled and not self._joined and _errmap.session_gone(exc)
+
+    def _retrying(self, exc: BaseException) -> None:
+        log.info("pgcoord: the pooled connection for lock %s was closed by the server (%r); "
+                 "trying another", self.request.describe(), exc)
+
     # -- async -----------------------------------------------------------------
 
     async def __aenter__(self) -> Any:
-        session = self._start(want_async=True)
-        assert isinstance(session, AsyncTxSession)
-        conn = await session.checkout()
-        started = time.monotonic()
-        try:
-            self._joined = session.in_transaction()
-            if self._needs_name_record():
-                await self._record_name_async(session)
-            if self._joined:
-                await session.lock_in_savepoint(self.request.statement)
-            else:
-                await session.begin_locked(self.request.statement)
-        except BaseException as exc:
-            self._session = None
-            await release_async(session, rollback=not self._joined)
-            self.request.raise_translated(exc)
+        retries = DEAD_POOLED_RETRIES
+        while True:
+            session = self._start(want_async=True)
+            assert isinstance(session, AsyncTxSession)
+            conn = await session.checkout()
+            started = time.monotonic()
+            try:
+                self._joined = session.in_transaction()
+                if self._needs_name_record():
+                    await self._record_name_async(session)
+                if self._joined:
+                    await session.lock_in_savepoint(self.request.statement)
+                else:
+                    await session.begin_locked(self.request.statement)
+            except BaseException as exc:
+                self._session = None
+                await release_async(session, rollback=not self._joined)
+                if retries and self._found_dead(session, exc):
+                    retries -= 1
+                    self._retrying(exc)
+                    continue
+                self.request.raise_translated(exc)
+            break
         self.wait_seconds = time.monotonic() - started
         metrics.lock_wait(self.request.metric_name, self.wait_seconds)
         return conn
@@ -221,28 +242,37 @@ class ExclusiveLock:
                 query("lock_names_record"), (self.request.key, self.request.name)
             )
         except Exception as exc:  # best effort: missing schema, no privilege, read-only
+            if _errmap.session_gone(exc):
+                raise  # a dead connection: the lock is asked for on another
             log.debug("lock name %r not recorded: %s", self.request.name, exc)
         self._name_recorded()
 
     # -- sync ------------------------------------------------------------------
 
     def __enter__(self) -> Any:
-        session = self._start(want_async=False)
-        assert isinstance(session, SyncTxSession)
-        conn = session.checkout()
-        started = time.monotonic()
-        try:
-            self._joined = session.in_transaction()
-            if self._needs_name_record():
-                self._record_name_sync(session)
-            if self._joined:
-                session.lock_in_savepoint(self.request.statement)
-            else:
-                session.begin_locked(self.request.statement)
-        except BaseException as exc:
-            self._session = None
-            release_sync(session, rollback=not self._joined)
-            self.request.raise_translated(exc)
+        retries = DEAD_POOLED_RETRIES
+        while True:
+            session = self._start(want_async=False)
+            assert isinstance(session, SyncTxSession)
+            conn = session.checkout()
+            started = time.monotonic()
+            try:
+                self._joined = session.in_transaction()
+                if self._needs_name_record():
+                    self._record_name_sync(session)
+                if self._joined:
+                    session.lock_in_savepoint(self.request.statement)
+                else:
+                    session.begin_locked(self.request.statement)
+            except BaseException as exc:
+                self._session = None
+                release_sync(session, rollback=not self._joined)
+                if retries and self._found_dead(session, exc):
+                    retries -= 1
+                    self._retrying(exc)
+                    continue
+                self.request.raise_translated(exc)
+            break
         self.wait_seconds = time.monotonic() - started
         metrics.lock_wait(self.request.metric_name, self.wait_seconds)
         return conn
@@ -275,6 +305,8 @@ class ExclusiveLock:
                 query("lock_names_record"), (self.request.key, self.request.name)
             )
         except Exception as exc:
+            if _errmap.session_gone(exc):
+                raise
             log.debug("lock name %r not recorded: %s", self.request.name, exc)
         self._name_recorded()
 

@@ -76,6 +76,7 @@ class AsyncpgSession(AsyncTxSession):
 
     def __init__(self, source: Any) -> None:
         self._pool: asyncpg.Pool | None = source if isinstance(source, POOL_TYPES) else None
+        self.pooled = self._pool is not None
         self.conn = None if self._pool is not None else source
         # The Connection itself: a pool proxy's methods cost a dispatch each.
         self._raw: Any = None if self.conn is None else _raw(self.conn)

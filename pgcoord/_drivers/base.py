@@ -61,6 +61,8 @@ def begin_and_lock(
 class AsyncTxSession(ABC):
     #: The driver's own connection object handed to the ``async with`` body.
     conn: Any
+    #: True when the connection is checked out of a pool or engine (not the caller's own).
+    pooled: bool = False
     #: True when the driver's own give-back already survives cancellation and is
     #: bounded by ``CLEANUP_TIMEOUT`` (closing the connection past it), so pgcoord
     #: need not run it in a task of its own (that costs a task per acquire).
@@ -110,6 +112,7 @@ class AsyncTxSession(ABC):
 
 class SyncTxSession(ABC):
     conn: Any
+    pooled: bool = False
 
     @abstractmethod
     def __init__(self, source: Any) -> None: ...

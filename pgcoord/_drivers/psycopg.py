@@ -192,6 +192,7 @@ class SyncOneTrip:
 class AsyncPsycopgSession(AsyncTxSession):
     def __init__(self, source: Any) -> None:
         self._pool: Any = source if isinstance(source, ASYNC_POOL_TYPES) else None
+        self.pooled = self._pool is not None
         self.conn: psycopg.AsyncConnection[Any] | None = None if self._pool else source
         self._trip: AsyncOneTrip | None = None
 
@@ -253,6 +254,7 @@ class AsyncPsycopgSession(AsyncTxSession):
 class SyncPsycopgSession(SyncTxSession):
     def __init__(self, source: Any) -> None:
         self._pool: Any = source if isinstance(source, SYNC_POOL_TYPES) else None
+        self.pooled = self._pool is not None
         self.conn: psycopg.Connection[Any] | None = None if self._pool else source
         self._trip: SyncOneTrip | None = None
 

@@ -120,6 +120,7 @@ def _refuse_autocommit(dbapi_conn: Any) -> None:
 class AsyncSQLAlchemySession(AsyncTxSession):
     def __init__(self, source: AsyncEngine | AsyncConnection) -> None:
         self._engine = source if isinstance(source, AsyncEngine) else None
+        self.pooled = self._engine is not None
         self.conn: AsyncConnection | None = None if self._engine else source  # type: ignore[assignment]
         self._tx: AsyncTransaction | None = None
         # The driver's connection and SQLAlchemy's adapter around it.
@@ -252,6 +253,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
 class SyncSQLAlchemySession(SyncTxSession):
     def __init__(self, source: Engine | Connection) -> None:
         self._engine = source if isinstance(source, Engine) else None
+        self.pooled = self._engine is not None
         self.conn: Connection | None = None if self._engine else source  # type: ignore[assignment]
         self._tx: Any = None
         self._trip: Any = None

@@ -274,6 +274,10 @@ async def test_a_sync_rollback_on_a_silent_network_gives_the_caller_its_own_erro
                 raise Boom
             took = time.monotonic() - started
             proxy.frozen.clear()
+            for _ in range(300):  # until the server has ended the cut session
+                if not sql(dsn, "select 1 from pg_stat_activity where pid = %s", pid):
+                    break
+                time.sleep(0.05)
             after = None
             if "conn" not in kind:  # the pool goes on with a new connection
                 with pgcoord.exclusive(source, key, wait=False) as conn:
@@ -302,3 +306,45 @@ def _sync_closed(conn: Any) -> bool:
     if hasattr(conn, "invalidated"):
         return bool(conn.invalidated)
     return bool(conn.closed)
+
+
+# -- a pooled connection the server ended while it sat in its pool ------------------
+
+
+def _terminate(dsn: str, pid: int) -> None:
+    assert sql(dsn, "select pg_terminate_backend(%s)", pid) == [(True,)]
+
+
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("kind", [k for k in ASYNC_KINDS if "conn" not in k])
+async def test_a_dead_pooled_connection_is_replaced_not_raised(kind: str, named: bool, dsn: str) -> None:
+    """pg_terminate_backend (or a restart) ends an idle pooled connection; the
+    pool finds out at its next statement. exclusive() has then run nothing and
+    holds nothing, so it takes the lock on another connection instead of handing
+    the caller the driver's error."""
+    async with open_async(kind, dsn) as source:
+        async with pgcoord.exclusive(source, 11) as conn:
+            pid = await _pid(conn)
+        _terminate(dsn, pid)
+        await asyncio.sleep(0.2)
+        key = unique("dead") if named else 11
+        async with asyncio.timeout(20), pgcoord.exclusive(source, key) as conn:
+            await _exec(conn, "select 1")
+            assert [k for _, k, _ in advisory_locks(dsn)] == [pgcoord.lock_key(key)]
+        if named:
+            assert sql(dsn, "select name from pgcoord.lock_names where key = %s",
+                       pgcoord.lock_key(key)) == [(key,)]
+    assert advisory_locks(dsn) == []
+
+
+@pytest.mark.parametrize("kind", ["psycopg-sync-pool", "sa-sync-engine"])
+def test_a_dead_pooled_sync_connection_is_replaced_not_raised(kind: str, dsn: str) -> None:
+    with open_sync(kind, dsn) as source:
+        with pgcoord.exclusive(source, 12) as conn:
+            pid = _spid(conn)
+        _terminate(dsn, pid)
+        time.sleep(0.2)
+        with pgcoord.exclusive(source, 12) as conn:
+            _spid(conn)
+            assert [k for _, k, _ in advisory_locks(dsn)] == [12]
+    assert advisory_locks(dsn) == []
