@@ -5,7 +5,7 @@ the object it is given.
 """
 
 from ._keys import lock_key
-from .elector import Elector
+from .elector import Elector, LeaderChanged, request_resign
 from .errors import (
     Deadlock,
     LeaseLost,
@@ -32,6 +32,7 @@ __all__ = [
     "Elector",
     "ExclusiveLock",
     "HeldLock",
+    "LeaderChanged",
     "Lease",
     "LeaseLost",
     "LockBusy",
@@ -54,4 +55,5 @@ __all__ = [
     "check_fence",
     "exclusive",
     "lock_key",
+    "request_resign",
 ]

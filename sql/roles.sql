@@ -13,10 +13,15 @@ GRANT SELECT, INSERT, UPDATE ON pgcoord.leases TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE ON pgcoord.jobs TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.job_slots TO pgcoord_service;
 GRANT SELECT ON pgcoord.holders TO pgcoord_service;
+-- Members: join (a row and an id), heartbeat, leave, and mark dead peers gone.
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.member_sessions TO pgcoord_service;
+GRANT USAGE ON SEQUENCE pgcoord.member_ids TO pgcoord_service;
+GRANT SELECT ON pgcoord.members TO pgcoord_service;
 -- check_fence() locks the lease row FOR SHARE, which needs UPDATE (granted above).
 
 -- Operators: read who holds what, nothing else. pg_read_all_stats lets them see
 -- other roles' application_name and client_addr in the view.
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_operator;
 GRANT SELECT ON pgcoord.holders TO pgcoord_operator;
+GRANT SELECT ON pgcoord.members TO pgcoord_operator;
 GRANT pg_read_all_stats TO pgcoord_operator;

@@ -164,6 +164,25 @@ async def _as_service(dsn: str) -> None:
         assert ran
         async with pgcoord.LockHolder(dsn) as holder, holder.lock("roles:session"):
             pass
+        # A member, and every feature on it.
+        async with pgcoord.Member(dsn, group="roles") as member, pgcoord.LockHolder(member) as held:
+            async with held.lock("roles:member-lock"):
+                pass
+            led = asyncio.Event()
+
+            async def lead(fence: int) -> None:
+                led.set()
+                await asyncio.sleep(3600)
+
+            elector = pgcoord.Elector(member, "roles:elector", ttl=5)
+            running = asyncio.create_task(elector.run(lead))
+            await asyncio.wait_for(led.wait(), 10)
+            assert await pgcoord.request_resign(member, "roles:elector")
+            await elector.stop()
+            await running
+            async with pgcoord.Lease(pool, "roles:member-lease", ttl=5, member=member):
+                pass
+            assert [p.name for p in await member.peers()] == [member.name]
     finally:
         await pool.close()
 
