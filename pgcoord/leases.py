@@ -176,8 +176,11 @@ class _Statement:
         self._session: AsyncTxSession | None = None
         #: Whether the pool ever lent a connection (False: all were in use meanwhile).
         self.lent = False
+        self._abandoned = False
 
     async def row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._abandoned:  # given up on: no new try (and no new connection) for it
+            raise asyncio.CancelledError
         session = tx_session(self._source, want_async=True)
         assert isinstance(session, AsyncTxSession)
         await session.checkout()
@@ -198,6 +201,7 @@ class _Statement:
             await release_async(session, rollback=False)
 
     def abandon(self) -> None:
+        self._abandoned = True
         session = self._session
         if session is not None:
             session.sever()

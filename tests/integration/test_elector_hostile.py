@@ -24,7 +24,7 @@ from .conftest import sql, unique
 DRIVERS = ["asyncpg", "psycopg"]
 
 
-async def until(predicate: Any, timeout: float, step: float = 0.002) -> float:
+async def until(predicate: Any, timeout: float, step: float = 0.002) -> float:  # noqa: ASYNC109
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout:
@@ -191,7 +191,7 @@ async def test_is_leader_reads_false_the_moment_a_pause_outlives_the_trust_windo
     try:
         await until(lambda: elector.is_leader and terms.fences, 10)
         assert elector.fence == terms.fences[0]
-        time.sleep(1.2)  # the event loop stops, as under SIGSTOP or a long GC pause
+        time.sleep(1.2)  # noqa: ASYNC251 - the event loop stops, as under SIGSTOP or a GC pause
         assert not elector.is_leader
         assert elector.fence is None
         await until(lambda: len(terms.fences) == 2 and elector.is_leader, 10)  # leads again
@@ -268,11 +268,10 @@ def _server_processes(server: EmbeddedServer) -> list[int]:
     pids = [postmaster]
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/stat") as stat:
-                    # pid (comm) state ppid ...: comm may hold spaces, so split after ")"
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == postmaster:
-                        pids.append(int(entry))
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                # pid (comm) state ppid ...: comm may hold spaces, so split after ")"
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    pids.append(int(entry))
     return pids
 
 

@@ -26,8 +26,10 @@ from pgcoord._embedded import EmbeddedServer
 from .conftest import sql, unique
 from .sources import APP, ASYNC_POOLS, open_async
 
+_PSYCOPG_BEFORE_3_2 = tuple(int(p) for p in psycopg.__version__.split(".")[:2]) < (3, 2)
 
-async def until(predicate: Any, timeout: float, step: float = 0.01) -> float:
+
+async def until(predicate: Any, timeout: float, step: float = 0.01) -> float:  # noqa: ASYNC109
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout:
@@ -67,6 +69,10 @@ async def test_leaving_a_lease_whose_release_hangs_returns_at_the_bound(
     """Issue 11 item 3: another session holds the row FOR SHARE, so the release waits.
     The exit gives up after its bound, without a CancelledError nobody asked for, and
     the server stops waiting too."""
+    if kind == "sa-async-psycopg" and _PSYCOPG_BEFORE_3_2:
+        pytest.skip("psycopg < 3.2 under SQLAlchemy: after the abandoned release's connection "
+                    "is cut, the next connection SQLAlchemy opens sometimes never finishes "
+                    "connecting (its socket is no longer watched by the loop); see the issue note")
     caplog.set_level("WARNING", logger="pgcoord.leases")
     name = unique("lease:hung-release")
     blocker = None
@@ -120,11 +126,11 @@ async def test_a_cancelled_caller_whose_release_hangs_gets_its_own_cancellation(
 
     async def body() -> None:
         nonlocal blocker
-        async with open_async("psycopg-pool", dsn) as source:
-            async with pgcoord.Lease(source, name, ttl=30) as fence:
-                blocker = hold_for_share(dsn, name, fence)
-                holding.set()
-                await asyncio.sleep(3600)
+        async with open_async("psycopg-pool", dsn) as source, \
+                pgcoord.Lease(source, name, ttl=30) as fence:
+            blocker = hold_for_share(dsn, name, fence)
+            holding.set()
+            await asyncio.sleep(3600)
 
     try:
         task = asyncio.create_task(body())
@@ -265,7 +271,7 @@ async def test_acquire_and_release_survive_terminated_idle_pool_connections(
             if i % 3 == 1:
                 await asyncio.sleep(0.001 * i)
             elif i % 3 == 2:
-                time.sleep(0.001 * i)
+                time.sleep(0.001 * i)  # noqa: ASYNC251 - the loop must not run meanwhile
             # (Bounded: a pool that lost its connections on the way would wait forever.)
             fences.append(await asyncio.wait_for(lease.acquire(wait=False), 10))
             terminated += terminate_idle(dsn)
@@ -322,7 +328,7 @@ async def test_a_lease_refuses_a_pool_of_one_connection(dsn: str) -> None:
             pgcoord.Lease(ppool, "x", ttl=5)
     engine = create_async_engine(_sa(dsn, "asyncpg"), pool_size=1, max_overflow=0)
     try:
-        with pytest.raises(pgcoord.PgcoordError, match="max_size|pool_size"):
+        with pytest.raises(pgcoord.PgcoordError, match=r"max_size|pool_size"):
             pgcoord.Lease(engine, "x", ttl=5)
     finally:
         await engine.dispose()
