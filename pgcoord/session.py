@@ -68,6 +68,12 @@ _FN = {False: "pg_try_advisory_lock", True: "pg_try_advisory_lock_shared"}
 _TRY = {shared: query("advisory_call").format(fn=fn) for shared, fn in _FN.items()}
 _TRY_AFTER_UNLOCKS = {shared: query("holder_unlocks_then_try").format(fn=fn)
                       for shared, fn in _FN.items()}
+_UNLOCK_FN = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
+_TRY_AFTER_UNLOCK = {
+    (shared, unlock_shared): query("holder_unlock_then_try").format(
+        fn=_FN[shared], unlock_fn=_UNLOCK_FN[unlock_shared])
+    for shared in (False, True) for unlock_shared in (False, True)
+}
 _UNLOCKS = query("holder_unlocks")
 _PROBE = query("holder_probe")
 _GIVE_BACK = query("holder_give_back")
@@ -130,11 +136,16 @@ class _Carrier:
             try:
                 if excl or shared:
                     self._unlock_exclusive, self._unlock_shared = [], []
-                    row = await self.conn.fetchrow(
-                        _TRY_AFTER_UNLOCKS[request.shared], request.key, excl, shared)
+                    if len(excl) + len(shared) == 1:
+                        sql = _TRY_AFTER_UNLOCK[(request.shared, not excl)]
+                        row = await self.conn.fetchrow(sql, request.key, (excl or shared)[0])
+                    else:
+                        row = await self.conn.fetchrow(
+                            _TRY_AFTER_UNLOCKS[request.shared], request.key, excl, shared)
                     assert row is not None
                     if row[1]:
-                        self._unlocks_missed(row[1])
+                        self._unlocks_missed(int(row[1]))
+                        self._check_usable()  # the session was just ended
                     return bool(row[0])
                 return bool(await self.conn.fetchval(_TRY[request.shared], request.key))
             except BaseException as exc:
@@ -291,6 +302,18 @@ class _Carrier:
         if self.lost_reason is not None:
             return
         self.lost_reason = reason
+        if self.shared:
+            # A member's session lives on after this carrier is given up (an unlock
+            # refused, a bound overrun): nothing "ends the session" for us, so the
+            # keys still held on it are unlocked when we let go (MemberSession).
+            owned = getattr(self.conn, "owned", None)
+            if owned is not None:
+                for key in self._unlock_exclusive:
+                    owned[(key, False)] += 1
+                for key in self._unlock_shared:
+                    owned[(key, True)] += 1
+                for held in self.holding:
+                    owned[(held.request.key, held.request.shared)] += 1
         self._unlock_exclusive, self._unlock_shared = [], []
         log.warning("pgcoord LockHolder session (pid %s) lost: %s; %d lock(s) lost",
                     self.conn.backend_pid, reason, len(self.holding))
@@ -447,8 +470,10 @@ class LockHolder:
         self._carriers: set[_Carrier] = set()
         self._waiting_conns = 0
         # Local FIFO per key: present while a task of this process has the key;
-        # the deque holds the futures of tasks queued behind it.
-        self._local: dict[int, collections.deque[asyncio.Future[None]] | None] = {}
+        # the deque holds the futures of tasks queued behind it. Holders on one
+        # member share its session, where locks are re-entrant: they share one FIFO.
+        self._local: dict[int, collections.deque[asyncio.Future[None]] | None] = (
+            {} if self._member is None else self._member.holder_queues)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._open = False
 
@@ -723,10 +748,12 @@ class HeldLock:
             try:
                 got = await main.try_lock(request)
                 break
-            except (PgcoordError, asyncio.CancelledError):
+            except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if not main.lost:
+                    if isinstance(exc, PgcoordError):
+                        raise
                     request.raise_translated(exc)
                 if attempt == 2:
                     raise LockLost(

@@ -153,6 +153,13 @@ FROM (SELECT (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($2::bigint[]) AS
            + (SELECT pg_catalog.count(*) FROM pg_catalog.unnest($3::bigint[]) AS k
               WHERE NOT pg_catalog.pg_advisory_unlock_shared(k)) AS failed) AS released
 
+-- name: holder_unlock_then_try
+-- holder_unlocks_then_try for the usual case, one queued unlock ({unlock_fn} on
+-- key $2), with scalar parameters, which cost less to send than arrays. The
+-- unlock runs first, as there.
+SELECT pg_catalog.{fn}($1), NOT released.ok
+FROM (SELECT pg_catalog.{unlock_fn}($2::bigint) AS ok) AS released
+
 -- name: lease_acquire
 SELECT fence, expires_at FROM pgcoord.lease_acquire($1, $2, $3, $4)
 
