@@ -377,8 +377,15 @@ class Elector:
                     self._rang(conn, +1)
             if rang or self.polling or quiet:
                 sent = time.monotonic()
-                fence = await self._call(query("lease_acquire"), self.name, self.holder,
-                                         self._ttl_ms, conn.backend_pid if rang else None)
+                try:
+                    fence = await self._call(query("lease_acquire"), self.name, self.holder,
+                                             self._ttl_ms, conn.backend_pid if rang else None)
+                except Exception as exc:
+                    # The row is held FOR SHARE by a fenced transaction: busy, not
+                    # a reason to stall the member's session (lock_timeout on it).
+                    if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                        raise
+                    fence = None
                 if fence is not None:
                     if not rang and not self.polling:
                         rang = await self._bind(conn, int(fence))
@@ -412,8 +419,15 @@ class Elector:
         for attempt in range(5):
             if await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell):
                 self._rang(conn, +1)
-                if await self._call(query("lease_bind_session"), self.name, self.holder, fence,
-                                    conn.backend_pid):
+                try:
+                    bound = await self._call(query("lease_bind_session"), self.name, self.holder,
+                                             fence, conn.backend_pid)
+                except _SessionLost:
+                    raise
+                except Exception as exc:  # a lock_timeout on the member's session
+                    log.warning("elector %r: tying the lease to the session failed: %r", self.name, exc)
+                    bound = False
+                if bound:
                     return True
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
                 self._rang(conn, -1)
@@ -450,7 +464,8 @@ class Elector:
             window = self._idle_ms / 1000
         self._resign_asked = None
         trust_until = sent + window - trust_margin(window)
-        last_renewal, next_renewal = sent, sent + self.ttl / 3
+        every = min(self.ttl, window) / 3  # renew well inside the trust window
+        last_renewal, next_renewal = sent, sent + every
         self._trust_until, self._fence, self._leading = trust_until, fence, True
         duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
         self._duty = duty
@@ -513,7 +528,7 @@ class Elector:
                 last_renewal = attempt_sent
                 trust_until = attempt_sent + window - trust_margin(window)
                 self._trust_until = trust_until
-                next_renewal = attempt_sent + self.ttl / 3
+                next_renewal = attempt_sent + every
         finally:
             # Step down first, then clean up: nobody may think we lead from here on.
             self._leading, self._fence = False, None
@@ -569,8 +584,10 @@ class Elector:
             if rang and bell_first:
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
                 self._rang(self._conn, -1)
+            # On a member's shared session no wait may be long (see member_session).
+            wait = bound if self._member is None else min(bound, 0.5)
             await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
-                             lock_timeout_setting(bound))
+                             lock_timeout_setting(wait))
             if rang and not bell_first:
                 await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
                                  self._doorbell)

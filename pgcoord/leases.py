@@ -370,8 +370,13 @@ class Lease:
             if await self._ring():
                 bell = self._bell
                 assert bell is not None
-                if not await bell.fetchval(query("lease_bind_session"), self.name, self.holder, fence,
-                                           bell.backend_pid):
+                try:
+                    bound = await bell.fetchval(query("lease_bind_session"), self.name, self.holder,
+                                                fence, bell.backend_pid)
+                except Exception as exc:  # a lock_timeout on the member's session: stay unbound
+                    log.warning("lease %r: tying it to the member's session failed: %r", self.name, exc)
+                    bound = False
+                if not bound:
                     self._unring()
                 return
             await asyncio.sleep(0.01 * (attempt + 1))
@@ -411,7 +416,7 @@ class Lease:
                 self.fence, self._lost = int(row[0]), None
                 self._trust(sent)
                 self._last_renewed = sent
-                self._next_renewal = sent + self.ttl / 3
+                self._next_renewal = sent + self._window / 3
                 self._renewer = asyncio.create_task(self._renew_loop(), name=f"pgcoord-lease:{self.name}")
                 return self.fence
             if not wait:
@@ -478,7 +483,7 @@ class Lease:
                     return
                 metrics.renewal(self.name, time.monotonic() - sent, sent - self._last_renewed)
                 self._last_renewed = sent
-                self._next_renewal = sent + self.ttl / 3
+                self._next_renewal = sent + self._window / 3
                 self._trust(sent)
                 continue
             # Not a loss while the trust window is open: try again soon.

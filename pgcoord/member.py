@@ -205,12 +205,11 @@ class MemberSession(HolderConnection):
                                 f"pgcoord-member-release:{self._member.name}")
 
     def abort(self) -> None:
-        """A statement of ours on the member's session got no answer within its
-        bound: the session is not usable by anyone, so it is closed (the member
-        joins again, and everything tied to it is released by the server)."""
+        """A statement of ours got no answer within its bound. On a shared session
+        that usually means it queued behind another feature's statement, not that
+        the session is dead: the feature lets go, and the member's own bounded
+        heartbeat decides whether the session is still usable."""
         self.terminate()
-        if self._member.id == self._incarnation:
-            self._main.abort()
 
     async def close_now(self) -> None:
         self.terminate()
@@ -246,6 +245,10 @@ class Member:
         self._lost_hooks: list[Callable[[int], None]] = []
         #: Other channels features listen to on the member's session: name -> callbacks.
         self._channels: dict[str, list[Callable[[str], None]]] = {}
+        self._listening: set[str] = set()  # channels LISTENed on the current session
+        #: LockHolders on this member share its session, and session locks are
+        #: re-entrant per session: their per-key FIFO must be the member's.
+        self.holder_queues: dict[int, Any] = {}
         self._subscribers: set[asyncio.Queue[MemberChange]] = set()
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
@@ -291,6 +294,10 @@ class Member:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await runner
         await self._stop_tasks()
+        # Whatever is tied to this session stops believing before the session is
+        # given up (followers may take over the moment we have left).
+        if self.id is not None:
+            self._call_hooks(self._lost_hooks, self.id)
         with contextlib.suppress(Exception):
             await finish_despite_cancel(self._leave())
         await finish_despite_cancel(self._drop_sessions())
@@ -299,7 +306,7 @@ class Member:
 
     async def _leave(self) -> None:
         if self.id is not None and self._main is not None and not self._lost.is_set():
-            await self._main.fetchval(query("member_leave"), self.id)
+            await self._call(query("member_leave"), self.id)
 
     async def _drop_sessions(self) -> None:
         for conn in (self._watcher, self._main):
@@ -371,8 +378,6 @@ class Member:
                     self.name)
             else:
                 await listen(main, CHANNEL, self._on_notify)
-                for channel in self._channels:
-                    await listen(main, channel, functools.partial(self._on_channel, channel))
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
@@ -398,6 +403,8 @@ class Member:
             await finish_despite_cancel(self._drop_sessions())
             raise
         self._lost = lost
+        self._listening = set()
+        await self._listen_all()
         await self._refresh(initial=True)
         self._joined.set()
         log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
@@ -489,7 +496,19 @@ class Member:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.ttl / 3)
-            alive = await self._call(query("member_heartbeat"), self.id)
+            # Bounded: a session that cannot run a heartbeat within half a ttl (a
+            # statement stuck on it, a dead network) is not usable by anyone;
+            # it is closed, and the member joins again.
+            try:
+                async with asyncio.timeout(self.ttl / 2):
+                    alive = await self._call(query("member_heartbeat"), self.id)
+            except TimeoutError:
+                log.warning("member %r: no heartbeat within %.1fs; closing its session",
+                            self.name, self.ttl / 2)
+                if self._main is not None:
+                    self._main.abort()
+                self._lost.set()
+                return
             if not alive:
                 # Declared dead (our lock was not seen): a new incarnation joins.
                 self._lost.set()
@@ -544,20 +563,28 @@ class Member:
         session, from now on and again after every rejoin (news sent while the
         session was away is lost: callers also look for themselves now and then).
         Behind a pooler nothing arrives. Returns a function that stops it."""
-        callbacks = self._channels.get(channel)
-        if callbacks is None:
-            callbacks = self._channels[channel] = []
-            main = self._main
-            if main is not None and not self.polling and not self._lost.is_set():
-                async with self._main_io:
-                    await listen(main, channel, functools.partial(self._on_channel, channel))
-        callbacks.append(callback)
+        self._channels.setdefault(channel, []).append(callback)
+        callbacks = self._channels[channel]
+        if self._joined.is_set():
+            await self._listen_all()
 
         def stop() -> None:
             if callback in callbacks:
                 callbacks.remove(callback)
 
         return stop
+
+    async def _listen_all(self) -> None:
+        """LISTEN on every registered channel not yet listened to on this session
+        (again until none is left, for channels added meanwhile)."""
+        main = self._main
+        if main is None or self.polling:
+            return
+        async with self._main_io:
+            while (todo := set(self._channels) - self._listening) and main is self._main:
+                channel = todo.pop()
+                await listen(main, channel, functools.partial(self._on_channel, channel))
+                self._listening.add(channel)
 
     def _on_channel(self, channel: str, payload: str) -> None:
         for callback in list(self._channels.get(channel, ())):
@@ -635,8 +662,18 @@ class Member:
         while True:
             target = self._successor()
             if target is None:
+                # Alone: nothing to wait for, but the watcher session must not go
+                # idle for its idle_session_timeout (that is for a paused process).
                 self._watch_changed.clear()
-                await self._watch_changed.wait()
+                try:
+                    async with asyncio.timeout(self.ttl / 3):
+                        await self._watch_changed.wait()
+                except TimeoutError:
+                    try:
+                        await watcher.fetchval(query("holder_probe"))
+                    except Exception as exc:
+                        if _errmap.sqlstate(exc) != _SQLSTATE_QUERY_CANCELED:  # a late retarget
+                            raise
                 continue
             self._target = target
             try:
@@ -644,13 +681,22 @@ class Member:
             except Exception as exc:
                 self._target = None
                 if _errmap.sqlstate(exc) == _SQLSTATE_QUERY_CANCELED:
-                    continue  # moved on to another successor
+                    # Moved on to another successor. The cancel may have landed
+                    # just after the grant: let go of the lock if we got it.
+                    await self._unwatch(watcher, target, held_or_not=True)
+                    continue
                 if _errmap.session_gone(exc):
                     self._lost.set()
                 raise
             self._target = None
             # Granted: the target's session is gone. Tell everyone, then let go.
-            reason = await self._call(query("member_reap"), target)
+            try:
+                reason = await self._call(query("member_reap"), target)
+            except SessionLost:
+                raise
+            except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
+                log.warning("member %r: telling member %d's death failed: %r", self.name, target, exc)
+                reason = None
             # Tell our own side now rather than when our NOTIFY comes back, and
             # move on past the dead member at once. No reason: it said goodbye,
             # and that news is still on its way to us.
@@ -658,11 +704,14 @@ class Member:
                 self._forget(target, reason or "left")
             await self._unwatch(watcher, target)
 
-    async def _unwatch(self, watcher: HolderConnection, target: int) -> None:
+    async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> None:
         # A retarget's pg_cancel_backend may land on this statement: try again.
         for _ in range(5):
             try:
-                await watcher.fetchval(query("member_unwatch"), target)
+                if held_or_not:
+                    await watcher.fetchval(query("member_unwatch_if_held"), target)
+                else:
+                    await watcher.fetchval(query("member_unwatch"), target)
                 return
             except Exception as exc:
                 if _errmap.sqlstate(exc) != _SQLSTATE_QUERY_CANCELED:

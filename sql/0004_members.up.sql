@@ -266,8 +266,9 @@ CREATE FUNCTION pgcoord.lease_renew_asking(
     $body$;
 
 -- Job claims tied to a member: a scheduler with a member runs its slots as
--- runner '<member name>/<member id>'. When that member is gone its running
--- claims expire now, so the next tick abandons or retries them (per the job's
+-- runner '<member name>/<member id>'. When that member is gone (its tombstone,
+-- kept a minute, says so and gives its exact runner name) its running claims
+-- expire now, so the next tick abandons or retries them (per the job's
 -- on_crash) instead of after the claim's ttl. Returns how many.
 CREATE FUNCTION pgcoord.job_expire_member_claims(member_id integer) RETURNS integer
     LANGUAGE sql
@@ -276,10 +277,9 @@ CREATE FUNCTION pgcoord.job_expire_member_claims(member_id integer) RETURNS inte
             UPDATE pgcoord.job_slots AS s
                SET claim_expires_at = pg_catalog.clock_timestamp()
              WHERE s.state = 'running'
-               AND pg_catalog.right(s.runner, pg_catalog.length('/' || member_id::text))
-                   = '/' || member_id::text
+               AND s.runner = (SELECT m.name || '/' || m.id::text FROM pgcoord.member_sessions AS m
+                               WHERE m.id = member_id AND m.left_at IS NOT NULL)
                AND s.claim_expires_at > pg_catalog.clock_timestamp()
-               AND NOT EXISTS (SELECT 1 FROM pgcoord.members AS m WHERE m.id = member_id)
             RETURNING 1
         )
         SELECT count(*)::integer FROM expired

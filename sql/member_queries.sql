@@ -4,7 +4,12 @@
 -- name: member_session
 -- The member's main session: the server ends it after {idle_ms} ms of silence,
 -- so a paused or partitioned member loses its alive lock and is announced gone.
-SET idle_session_timeout = {idle_ms}
+-- It is shared by every feature on the member, so no statement on it may wait
+-- long for a row or lock (a fenced transaction holding a lease row FOR SHARE):
+-- lock_timeout turns such a wait into an error the feature treats as "busy" or
+-- "retry". A backend stuck in a statement after its client went away is ended
+-- within a second (client_connection_check_interval), releasing its locks.
+SET idle_session_timeout = {idle_ms}; SET lock_timeout = 500; SET client_connection_check_interval = 1000
 
 -- name: member_watcher_session
 -- The watcher waits in the lock queue for its successor's alive lock. Once
@@ -53,6 +58,14 @@ SELECT pg_catalog.pg_advisory_lock(1885823853, $1)
 
 -- name: member_unwatch
 SELECT pg_catalog.pg_advisory_unlock(1885823853, $1)
+
+-- name: member_unwatch_if_held
+-- After a cancelled wait: the grant may have come just before the cancel.
+WITH target AS (SELECT CAST($1 AS integer) AS id)
+SELECT pg_catalog.pg_advisory_unlock(1885823853, target.id)
+FROM target, pg_catalog.pg_locks AS l
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid = pg_catalog.pg_backend_pid()
+  AND l.classid = 1885823853 AND l.objid = target.id::oid
 
 -- name: member_cancel_watch
 -- Move a blocked watcher to another target: cancel its lock wait.

@@ -378,3 +378,115 @@ async def test_behind_a_transaction_mode_pooler_membership_polls_heartbeat_rows(
             await c._drop_sessions()
     finally:
         bouncer.stop()
+
+
+# -- features sharing a member's session (review findings) ------------------------------
+
+
+async def test_a_fenced_transaction_does_not_stall_a_member_s_session(dsn: str) -> None:
+    """A follower's lease_acquire waits on a row held FOR SHARE by check_fence; on the
+    member's shared session that wait is cut short (lock_timeout), so membership,
+    heartbeats and other features go on."""
+    import psycopg as pg
+
+    name = f"stall:{uuid.uuid4().hex[:6]}"
+    g = group()
+    async with (
+        pgcoord.Member(dsn, group=g, name="a", ttl=30) as a,
+        pgcoord.Member(dsn, group=g, name="b", ttl=3) as b,
+    ):
+        led = asyncio.Event()
+
+        async def lead(fence: int) -> None:
+            led.set()
+            await asyncio.sleep(3600)
+
+        leader = pgcoord.Elector(a, name, ttl=30)
+        follower = pgcoord.Elector(b, name, ttl=3)  # polls often: it meets the row lock
+        tasks = [asyncio.create_task(leader.run(lead))]
+        await asyncio.wait_for(led.wait(), 10)
+        tasks.append(asyncio.create_task(follower.run(lead)))
+        fence = leader.fence
+        with pg.connect(dsn) as fenced:  # a transaction, as check_fence must be
+            fenced.execute("select pgcoord.check_fence(%s, %s)", (name, fence))
+            for _ in range(6):
+                started = time.monotonic()
+                assert [p.name for p in await b.peers()] == ["a", "b"]
+                assert time.monotonic() - started < 1.5
+                await asyncio.sleep(0.5)
+            fenced.rollback()
+        assert leader.is_leader and not follower.is_leader
+        for e in (leader, follower):
+            await e.stop()
+        for t in tasks:
+            await t
+
+
+async def test_two_holders_on_one_member_exclude_each_other(dsn: str) -> None:
+    async with (
+        pgcoord.Member(dsn, group=group()) as m,
+        pgcoord.LockHolder(m) as h1,
+        pgcoord.LockHolder(m) as h2,
+    ):
+        async with h1.lock("two-holders"):
+            with pytest.raises(pgcoord.LockBusy):
+                async with h2.lock("two-holders", wait=False):
+                    pass
+        async with h2.lock("two-holders", wait=False):
+            pass
+
+
+async def test_a_lease_longer_than_its_member_s_ttl_stays_valid(dsn: str) -> None:
+    import asyncpg
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
+    try:
+        async with pgcoord.Member(dsn, group=group(), ttl=3) as m:
+            async with pgcoord.Lease(pool, f"long:{uuid.uuid4().hex[:6]}", ttl=9, member=m) as fence:
+                lease_valid_for = time.monotonic() + 5
+                while time.monotonic() < lease_valid_for:
+                    await asyncio.sleep(0.25)
+                assert fence
+            elector_led = asyncio.Event()
+
+            async def lead(fence: int) -> None:
+                elector_led.set()
+                await asyncio.sleep(3600)
+
+            elector = pgcoord.Elector(m, f"long-e:{uuid.uuid4().hex[:6]}", ttl=9)
+            running = asyncio.create_task(elector.run(lead))
+            await asyncio.wait_for(elector_led.wait(), 10)
+            await asyncio.sleep(5)
+            assert elector.is_leader  # renewed within the member's window, no flapping
+            await elector.stop()
+            await running
+    finally:
+        await pool.close()
+
+
+async def test_closing_a_member_stops_its_leaders_believing_first(dsn: str) -> None:
+    name = f"close-first:{uuid.uuid4().hex[:6]}"
+    a = pgcoord.Member(dsn, group=group(), ttl=30)
+    await a.open()
+    led = asyncio.Event()
+
+    async def lead(fence: int) -> None:
+        led.set()
+        await asyncio.sleep(3600)
+
+    elector = pgcoord.Elector(a, name, ttl=30)
+    running = asyncio.create_task(elector.run(lead))
+    await asyncio.wait_for(led.wait(), 10)
+    await a.close()
+    assert not elector.is_leader
+    await elector.stop()
+    await running
+
+
+async def test_a_lone_member_keeps_its_session_past_its_ttl(dsn: str) -> None:
+    # Its watcher has nobody to wait for; neither of its sessions may go idle
+    # long enough for the server's idle_session_timeout to end it.
+    async with pgcoord.Member(dsn, group=group(), name="lone", ttl=1.5) as m:
+        first = m.id
+        await asyncio.sleep(4)
+        assert m.id == first
