@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Coroutine
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
 
+from .._aio import consume_result
 from .._queries import to_pyformat
 from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
 
@@ -56,6 +58,47 @@ def _one_message(conn: Any, lock: LockStatement) -> str | None:
     level = conn.isolation_level
     isolation = None if level is None else psycopg.IsolationLevel(level).name.replace("_", " ")
     return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
+
+
+T = TypeVar("T")
+
+# psycopg before 3.2 answers the cancellation of a statement with libpq's
+# blocking cancel request (PQcancel), on the event loop's thread and holding the
+# GIL: over a network that does not answer, the whole process stops for good.
+# There, a cancellation does not reach pgcoord's own statements (guard_cancel).
+BLOCKING_CANCEL = not hasattr(psycopg.AsyncConnection, "cancel_safe")
+
+# How long a short statement whose caller was cancelled may take to end by
+# itself before its connection is closed under it (a lock wait gets none).
+CANCEL_GRACE = 0.25
+
+
+async def guard_cancel(conn: Any, op: Coroutine[Any, Any, T], *, grace: float) -> T:
+    """Run ``op``, a statement on the async connection ``conn``.
+
+    On psycopg before 3.2 the caller's cancellation is not passed on to it: it
+    is given ``grace`` seconds to end by itself, then the connection is closed
+    under it, which fails it at once with no cancel request; the caller gets its
+    CancelledError. The price, on that version only: the connection is
+    discarded, and a cancelled lock wait stays queued on the server until the
+    lock is granted to it, when its session notices it is gone and ends (in
+    milliseconds). Elsewhere ``op`` is simply awaited.
+    """
+    if not BLOCKING_CANCEL:
+        return await op
+    task = asyncio.ensure_future(op)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            if grace > 0 and not task.done():
+                await asyncio.wait([task], timeout=grace)
+        finally:
+            if not task.done():
+                sever_async(conn)
+                task.cancel()
+            task.add_done_callback(consume_result)
+        raise
 
 
 def sever_async(conn: Any) -> None:
@@ -124,7 +167,7 @@ class AsyncOneTrip:
         if not self.conn.autocommit:
             await self.conn.set_autocommit(True)
             self._autocommit_switched = True
-        await self.conn.execute(message, prepare=False)
+        await guard_cancel(self.conn, self.conn.execute(message, prepare=False), grace=0)
 
     async def commit(self) -> None:
         block, self._block = self._block, None
@@ -206,6 +249,10 @@ class AsyncPsycopgSession(AsyncTxSession):
 
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
+        return await guard_cancel(self.conn, self._run_autocommit(sql, params), grace=CANCEL_GRACE)
+
+    async def _run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        assert self.conn is not None
         async with self.conn.transaction():
             cur = await self.conn.execute(to_pyformat(sql), params)
             return await cur.fetchone() if cur.description else None
@@ -216,6 +263,10 @@ class AsyncPsycopgSession(AsyncTxSession):
         await self._trip.begin_locked(lock)
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
+        assert self.conn is not None
+        await guard_cancel(self.conn, self._lock_in_savepoint(lock), grace=0)
+
+    async def _lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         async with self.conn.transaction():
             await self.conn.execute(to_pyformat(lock.bound), lock.params or None)

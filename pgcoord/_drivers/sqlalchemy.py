@@ -152,6 +152,14 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         return self.conn.in_transaction()
 
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if _driver_module(self._driver) == "psycopg":
+            from . import psycopg as pmod
+
+            return await pmod.guard_cancel(self._driver, self._run_autocommit(sql, params),
+                                           grace=pmod.CANCEL_GRACE)
+        return await self._run_autocommit(sql, params)
+
+    async def _run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         async with self.conn.begin():
             result = await self.conn.execute(text(to_named(sql)), named_params(params))

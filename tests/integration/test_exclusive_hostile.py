@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import asyncpg
+import psycopg
 import pytest
 from sqlalchemy import event
 
@@ -348,3 +349,43 @@ def test_a_dead_pooled_sync_connection_is_replaced_not_raised(kind: str, dsn: st
             _spid(conn)
             assert [k for _, k, _ in advisory_locks(dsn)] == [12]
     assert advisory_locks(dsn) == []
+
+
+# -- a cancellation on a silent network must not stop the event loop ---------------
+
+
+@pytest.mark.parametrize("what", ["exclusive", "statement"])
+def test_cancelling_a_psycopg_statement_on_a_silent_network_does_not_stop_the_loop(
+    what: str, dsn: str, proxy: FreezableProxy,
+) -> None:
+    """psycopg before 3.2 answers a cancelled statement with libpq's blocking
+    cancel request, on the event loop's thread: over a network that does not
+    answer, the whole process stops for good. A lock wait someone cancels (an
+    asyncio.timeout around exclusive()) or a statement of Lease/Scheduler must
+    instead close its connection and let the caller go on."""
+    import subprocess
+    import sys
+
+    key = unique("silent")
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("select pg_advisory_xact_lock(%s)", (pgcoord.lock_key(key),))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.cancel_on_silent_network",
+             proxy.dsn(dsn), key, what],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "waiting"
+            proxy.freeze()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            pytest.fail("the cancelled statement stopped the process's event loop")
+        finally:
+            proxy.frozen.clear()
+    took = float(out.split()[-1])
+    assert took < 12, f"the cancellation took {took} s"

@@ -87,7 +87,9 @@ async def test_without_asyncpg_internals_the_public_path_is_correct(
 ) -> None:
     monkeypatch.setattr(asyncpg_adapter, "_ADOPTABLE", False)
     key = unique("internals")
-    source: Any = await (asyncpg.connect(dsn) if kind == "conn" else asyncpg.create_pool(dsn, min_size=1, max_size=1))
+    source: Any = await (
+        asyncpg.connect(dsn) if kind == "conn" else asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    )
     try:
         async with pgcoord.exclusive(source, key) as conn:
             await conn.execute(f"insert into {table} values (1)")
