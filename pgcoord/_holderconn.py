@@ -209,6 +209,8 @@ class _Psycopg(HolderConnection):
         self._lender = lender
         self._ok = ConnStatus.OK
         self._restore_autocommit = False
+        self._op_lock: asyncio.Lock | None = None
+        self._shielded: set[asyncio.Future[Any]] = set()  # psycopg < 3.2: see _run
         self._busy = 0  # operations in flight
         self._idle: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
@@ -301,44 +303,43 @@ class _Psycopg(HolderConnection):
         # Session locks are taken outside transactions: a pooled connection
         # without autocommit gets it for the holder's lifetime.
         if not self.conn.autocommit:
-            await self._run(self._set_autocommit(True), blocking=False)
+            await self._run(self._op(self.conn.set_autocommit, True), blocking=False)
             self._restore_autocommit = True
 
-    async def _set_autocommit(self, value: bool) -> None:
-        self._enter()
-        try:
-            await self.conn.set_autocommit(value)
-        finally:
-            self._leave()
-
     async def fetchval(self, sql: str, *args: Any) -> Any:
-        row = await self._run(self._fetchrow(sql, args), blocking=False)
+        row = await self._run(self._op(self._fetchrow, sql, args), blocking=False)
         return None if row is None else row[0]
 
     async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
-        return await self._run(self._fetchrow(sql, args), blocking=False)
+        return await self._run(self._op(self._fetchrow, sql, args), blocking=False)
 
     async def _fetchrow(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        self._enter()
-        try:
-            cur = await self.conn.execute(to_pyformat(sql), args or None)
-            row: tuple[Any, ...] | None = await cur.fetchone()
-        finally:
-            self._leave()
+        cur = await self.conn.execute(to_pyformat(sql), args or None)
+        row: tuple[Any, ...] | None = await cur.fetchone()
         return row
 
     async def execute(self, sql: str) -> None:
-        await self._run(self._execute(sql), blocking=False)
+        await self._run(self._op(self.conn.execute, sql), blocking=False)
 
     async def execute_blocking(self, sql: str) -> None:
-        await self._run(self._execute(sql), blocking=True)
+        await self._run(self._op(self.conn.execute, sql), blocking=True)
 
-    async def _execute(self, sql: str) -> None:
-        self._enter()
-        try:
-            await self.conn.execute(sql)
-        finally:
-            self._leave()
+    async def _op(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """One operation on the connection, one at a time. A connection closed at
+        our end (``terminate``/``abort``) is refused here: psycopg < 3.2 would
+        send on a finished connection, which crashes the process."""
+        if self._op_lock is None:
+            self._op_lock = asyncio.Lock()
+        async with self._op_lock:
+            if self.conn.pgconn.status != self._ok:
+                import psycopg
+
+                raise psycopg.OperationalError("the connection is closed")
+            self._enter()
+            try:
+                return await fn(*args)
+            finally:
+                self._leave()
 
     async def _run(self, op: Coroutine[Any, Any, T], blocking: bool) -> T:
         """Run one psycopg operation. psycopg < 3.2 answers a cancellation by
@@ -350,6 +351,8 @@ class _Psycopg(HolderConnection):
         if not self._blocking_cancel:
             return await op
         task = asyncio.ensure_future(op)
+        self._shielded.add(task)
+        task.add_done_callback(self._shielded.discard)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -406,6 +409,11 @@ class _Psycopg(HolderConnection):
         loop.remove_reader(fd)
         loop.remove_writer(fd)
         pgconn.finish()
+        # An operation run apart from its caller's cancellation (see _run) is
+        # cancelled with the connection: psycopg must never resume a statement on
+        # a finished connection (psycopg < 3.2 would read from a freed one).
+        for task in self._shielded:
+            task.cancel()
 
     async def close_now(self) -> None:
         self.terminate()
@@ -422,7 +430,7 @@ class _Psycopg(HolderConnection):
         self._done = True
         self._disarm()
         if self._restore_autocommit and not self.conn.closed:
-            await self.conn.set_autocommit(False)
+            await self._op(self.conn.set_autocommit, False)
         if self._lender is None:
             await self.conn.close()
         else:
