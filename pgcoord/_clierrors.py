@@ -187,6 +187,11 @@ def _is_connect_failure(exc: BaseException, code: str | None) -> bool:
     return False
 
 
+# An optional dependency a command imports, and the extra that brings it.
+_EXTRAS = {"alembic": "migrate", "sqlalchemy": "migrate", "psycopg": "psycopg",
+           "psycopg_pool": "psycopg", "asyncpg": "asyncpg"}
+
+
 def explain(exc: BaseException, dsn: str | None) -> CliError:
     """The exit code and the one line for an exception a command raised."""
     if isinstance(exc, CliError):
@@ -204,6 +209,10 @@ def explain(exc: BaseException, dsn: str | None) -> CliError:
         return CliError(EXIT_PRIVILEGE, f"permission denied in {where}: {one_line(driver)}; run it as "
                                         f"a role that has the privilege (migrate: the database's owner; "
                                         f"status: a role granted sql/roles.sql's operator grants)")
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in _EXTRAS:
+        module = (exc.name or "").split(".")[0]
+        return CliError(EXIT_ERROR, f"this command needs {module}, which is not installed: "
+                                    f"pip install 'pgcoord[{_EXTRAS[module]}]'")
     if type(exc).__name__ == "ServerNotFound":  # pgcoord demo without PostgreSQL installed
         return CliError(EXIT_ERROR, str(exc))
     return CliError(EXIT_ERROR, f"{type(driver).__name__}: {one_line(driver)} "

@@ -310,3 +310,13 @@ def test_watch_as_json_prints_one_document_per_line(dsn: str) -> None:
             proc.wait()
     docs = [json.loads(line) for line in out.lines[:2]]
     assert all(isinstance(doc, list) for doc in docs), out.lines[:2]
+
+
+def test_a_missing_extra_is_named_with_the_pip_command() -> None:
+    """As if pgcoord were installed without the migrate extra: alembic cannot be imported."""
+    code = ("import sys; sys.modules['alembic'] = None; from pgcoord.cli import main; "
+            "sys.exit(main(['migrate', '--dsn', 'postgresql://app@127.0.0.1/app']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=_env())
+    line = one_line(result, 1)
+    assert "pip install 'pgcoord[migrate]'" in line
