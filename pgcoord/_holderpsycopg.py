@@ -47,7 +47,9 @@ class PsycopgConnection(HolderConnection):
         from psycopg.pq import ConnStatus
 
         self.conn = conn
-        self._blocking_cancel = not hasattr(type(conn), "cancel_safe")
+        from ._drivers.psycopg import GUARD_CANCEL
+
+        self._blocking_cancel = GUARD_CANCEL  # see _drivers.psycopg: psycopg before 3.3
         self._lender = lender
         self._ok = ConnStatus.OK
         self._restore_autocommit = False

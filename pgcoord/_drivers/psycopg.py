@@ -68,6 +68,14 @@ T = TypeVar("T")
 # There, a cancellation does not reach pgcoord's own statements (guard_cancel).
 BLOCKING_CANCEL = not hasattr(psycopg.AsyncConnection, "cancel_safe")
 
+# psycopg 3.2 cancels without blocking, but over a network that does not answer
+# it then waits for the statement's result for ever (measured here with 3.2.3 and
+# 3.2.13: test_cancelling_a_psycopg_statement_on_a_silent_network_does_not_stop_the_loop).
+# 3.3 gives up. Before 3.3 pgcoord therefore keeps cancellations away from its own
+# statements and closes the connection instead (guard_cancel).
+GUARD_CANCEL = BLOCKING_CANCEL or tuple(
+    int(part) for part in psycopg.__version__.split(".")[:2] if part.isdigit()) < (3, 3)
+
 # How long a short statement whose caller was cancelled may take to end by
 # itself before its connection is closed under it (a lock wait gets none).
 CANCEL_GRACE = 0.25
@@ -84,7 +92,7 @@ async def guard_cancel(conn: Any, op: Coroutine[Any, Any, T], *, grace: float) -
     lock is granted to it, when its session notices it is gone and ends (in
     milliseconds). Elsewhere ``op`` is simply awaited.
     """
-    if not BLOCKING_CANCEL:
+    if not GUARD_CANCEL:
         return await op
     task = asyncio.ensure_future(op)
     try:

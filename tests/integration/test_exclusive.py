@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 import pgcoord
-from pgcoord._drivers.psycopg import BLOCKING_CANCEL
+from pgcoord._drivers.psycopg import GUARD_CANCEL
 
 from .conftest import advisory_locks
 from .sources import ASYNC_CONNS, ASYNC_POOLS, aexecute, apid, open_async
@@ -261,7 +261,7 @@ async def test_cancelled_while_waiting_leaves_no_lock_and_a_usable_source(
         assert not entered
         assert [pid for pid, _, granted in advisory_locks(dsn) if granted] == [blocker.pid]
         blocker.release()
-        if BLOCKING_CANCEL and "psycopg" in kind:
+        if GUARD_CANCEL and "psycopg" in kind:
             # psycopg < 3.2 cannot cancel without blocking the event loop: the
             # connection was closed instead, and its wait, still queued on the
             # server, ends as soon as the lock is granted to it.

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 import pgcoord
-from pgcoord._drivers.psycopg import BLOCKING_CANCEL
+from pgcoord._drivers.psycopg import GUARD_CANCEL
 
 from .conftest import sql, unique
 from .small_pools import (
@@ -201,7 +201,7 @@ async def test_async_connection_comes_back_as_it_came_out(
             await body()
         other.conn.rollback()
         discards = mode == "cancel-commit" or (
-            mode == "cancel-wait" and BLOCKING_CANCEL and kind in PSYCOPG_UNDERNEATH)
+            mode == "cancel-wait" and GUARD_CANCEL and kind in PSYCOPG_UNDERNEATH)
         if mode == "cancel-wait" and discards:
             # psycopg < 3.2 cannot cancel without blocking the event loop: the
             # connection was closed instead, and its wait, still queued on the
@@ -424,7 +424,7 @@ async def test_psycopg_read_only_deferrable_characteristics_come_back(
         else:
             await body()
         other.conn.rollback()
-        if mode == "cancel-wait" and BLOCKING_CANCEL:  # see the test above
+        if mode == "cancel-wait" and GUARD_CANCEL:  # see the test above
             await _wait_until(lambda: _key_free(dsn, key), "the abandoned wait is over")
             if kind == "psycopg-conn":
                 assert source.closed
@@ -432,7 +432,7 @@ async def test_psycopg_read_only_deferrable_characteristics_come_back(
         after = await state_async(kind, source, dsn)
         now, then = same_but_pid(after, before)
         assert now == then
-        if not (mode == "cancel-wait" and BLOCKING_CANCEL):
+        if not (mode == "cancel-wait" and GUARD_CANCEL):
             assert after["pid"] == before["pid"]
     finally:
         await source.close()

@@ -26,8 +26,6 @@ from pgcoord._embedded import EmbeddedServer
 from .conftest import sql, unique
 from .sources import APP, ASYNC_POOLS, open_async
 
-_PSYCOPG_BEFORE_3_2 = tuple(int(p) for p in psycopg.__version__.split(".")[:2]) < (3, 2)
-
 
 async def until(predicate: Any, timeout: float, step: float = 0.01) -> float:  # noqa: ASYNC109
     started = time.monotonic()
@@ -69,10 +67,6 @@ async def test_leaving_a_lease_whose_release_hangs_returns_at_the_bound(
     """Issue 11 item 3: another session holds the row FOR SHARE, so the release waits.
     The exit gives up after its bound, without a CancelledError nobody asked for, and
     the server stops waiting too."""
-    if kind == "sa-async-psycopg" and _PSYCOPG_BEFORE_3_2:
-        pytest.skip("psycopg < 3.2 under SQLAlchemy: after the abandoned release's connection "
-                    "is cut, the next connection SQLAlchemy opens sometimes never finishes "
-                    "connecting (its socket is no longer watched by the loop); see the issue note")
     caplog.set_level("WARNING", logger="pgcoord.leases")
     name = unique("lease:hung-release")
     blocker = None
