@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
@@ -52,7 +53,11 @@ def _inline_first_step_works() -> bool:
         loop.close()
 
 
-INLINE_FIRST_STEP = _inline_first_step_works()
+# From Python 3.12 on, asyncio.wait_for is built on asyncio.timeout(), which binds
+# to the current task: a driver's wait_for inside a cleanup's first step (psycopg
+# 3.2 polls with one) would be bound to the caller's task and could cancel it. So
+# the inline first step is for 3.11 only; later versions pay for a task per cleanup.
+INLINE_FIRST_STEP = sys.version_info < (3, 12) and _inline_first_step_works()
 
 
 async def finish_despite_cancel(

@@ -252,6 +252,10 @@ class Carrier:
             # (retire): a probe in flight finishes, never leaving a cancelled
             # statement behind on a healthy connection.
             done, _ = await asyncio.wait({probe}, timeout=interval)
+            if not done and self._io_owner not in (None, "probe"):
+                # Still queued behind a statement of a bounded cleanup (an unlock,
+                # an undo), whose own bound decides about the session: wait for it.
+                done, _ = await asyncio.wait({probe}, timeout=self.holder._cleanup_bound + interval)
             if not done:
                 probe.cancel()
                 if self._io_owner == "probe":

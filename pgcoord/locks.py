@@ -187,7 +187,11 @@ class ExclusiveLock:
         while True:
             session = self._start(want_async=True)
             assert isinstance(session, AsyncTxSession)
-            conn = await session.checkout()
+            try:
+                conn = await session.checkout()
+            except BaseException:
+                self._session = None  # nothing checked out: the lock may be entered again
+                raise
             started = time.monotonic()
             try:
                 self._joined = session.in_transaction()
@@ -254,7 +258,11 @@ class ExclusiveLock:
         while True:
             session = self._start(want_async=False)
             assert isinstance(session, SyncTxSession)
-            conn = session.checkout()
+            try:
+                conn = session.checkout()
+            except BaseException:
+                self._session = None
+                raise
             started = time.monotonic()
             try:
                 self._joined = session.in_transaction()

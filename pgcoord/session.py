@@ -167,6 +167,14 @@ class LockHolder:
         closes its connection instead, and close() returns all the same."""
         self._open = False
         carriers, self._main = list(self._carriers), None
+        # A body still inside `async with holder.lock(...)` is about to lose its lock
+        # with the give-back: it is told (cancelled, then LockLost), never left to run
+        # its critical section unlocked.
+        for carrier in carriers:
+            for held, body in list(carrier.holding.items()):
+                if held.lost_reason is None and body is not asyncio.current_task():
+                    held.lost_reason = "the LockHolder was closed while the lock was held"
+                    body.cancel(f"pgcoord: lock {held.request.describe()} lost: {held.lost_reason}")
         for carrier in carriers:
             if carrier.dedicated and not carrier.holding:
                 # Still waiting for its lock: no one will hold it now.

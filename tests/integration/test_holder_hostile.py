@@ -379,3 +379,24 @@ async def test_a_borrowed_connection_goes_back_with_the_settings_it_came_with(
             pass
         after = await observe()
         assert after == before  # same session, same settings, same autocommit
+
+
+async def test_closing_a_holder_under_a_body_that_holds_a_lock_is_lock_lost(dsn: str) -> None:
+    """Review finding: close() gives the connection back (unlocking everything);
+    a body still inside its `async with` must be told, never run on unlocked."""
+    import asyncio as _asyncio
+
+    holder = pgcoord.LockHolder(dsn)
+    await holder.open()
+    inside = _asyncio.Event()
+
+    async def body() -> None:
+        async with holder.lock("close-under-body"):
+            inside.set()
+            await _asyncio.sleep(30)
+
+    task = _asyncio.ensure_future(body())
+    await _asyncio.wait_for(inside.wait(), 5)
+    await holder.close()
+    with pytest.raises(pgcoord.LockLost):
+        await _asyncio.wait_for(task, 5)

@@ -77,9 +77,11 @@ def test_the_inline_first_step_protocol_holds_on_this_interpreter() -> None:
     # finish_despite_cancel steps a cleanup by hand, relying on asyncio's private
     # _asyncio_future_blocking protocol. If an interpreter changes it, the helper
     # falls back to a task per cleanup; this test says so loudly.
+    import sys
+
     from pgcoord import _aio
 
-    assert _aio.INLINE_FIRST_STEP is True
+    assert _aio.INLINE_FIRST_STEP is (sys.version_info < (3, 12))
 
 
 async def test_a_cleanup_past_its_bound_is_abandoned_and_the_caller_goes_on() -> None:
@@ -131,5 +133,25 @@ async def test_a_timeout_inside_the_caller_is_untouched_by_the_cleanup_bound() -
 
     async with asyncio.timeout(5):
         assert await finish_despite_cancel(slow_cleanup(), bound=0.01 + 1.0) == "done"
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+
+
+async def test_a_driver_wait_for_in_the_cleanup_never_cancels_the_caller() -> None:
+    # psycopg 3.2 waits on its socket with asyncio.wait_for(..., 0.1) in a loop; from
+    # Python 3.12 such a timeout binds to the task that enters it. The cleanup's
+    # first step must therefore never run on the caller's task there.
+    answer = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.3, answer.set)
+
+    async def cleanup() -> str:
+        while True:
+            try:
+                await asyncio.wait_for(answer.wait(), 0.1)
+                return "answered"
+            except TimeoutError:
+                continue
+
+    assert await finish_despite_cancel(cleanup(), bound=5) == "answered"
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
