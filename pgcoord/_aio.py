@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -173,3 +173,33 @@ def absorb_cancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+#: Put on a subscriber's queue to end its ``Subscription``.
+END_OF_STREAM: Any = object()
+
+
+class Subscription(Generic[T]):
+    """An async iterator over the items put on its queue, subscribed from its
+    creation (not its first ``__anext__``), so nothing published in between is
+    missed. The publisher keeps the set of queues and ends every subscription by
+    putting ``END_OF_STREAM`` on each."""
+
+    def __init__(self, subscribers: set[asyncio.Queue[Any]]) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._subscribers = subscribers
+        subscribers.add(self._queue)
+
+    def __aiter__(self) -> Subscription[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        item = await self._queue.get()
+        if item is END_OF_STREAM:
+            self.close()
+            raise StopAsyncIteration
+        return cast(T, item)
+
+    def close(self) -> None:
+        """Stop receiving items."""
+        self._subscribers.discard(self._queue)

@@ -43,7 +43,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
+from ._aio import (
+    CLEANUP_TIMEOUT,
+    END_OF_STREAM,
+    CleanupTimeout,
+    Subscription,
+    absorb_cancel,
+    consume_result,
+    finish_despite_cancel,
+)
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._listen import listen
@@ -188,7 +196,7 @@ class Elector:
         """Each change of leader from now on, as ``LeaderChanged(holder, fence)``,
         while ``run()`` runs (it listens on the elector's or the member's session;
         behind a pooler nothing is heard). Subscribes at once."""
-        return LeaderWatch(self._watchers)
+        return Subscription(self._watchers)
 
     def _on_lease_news(self, payload: str) -> None:
         try:
@@ -643,7 +651,7 @@ class Elector:
             self._run_task = None
             self._stopped.set()
             for queue in self._watchers:
-                queue.put_nowait(_END)
+                queue.put_nowait(END_OF_STREAM)
 
     async def _await_straggler(self) -> None:
         duty = self._straggler
@@ -684,26 +692,5 @@ class Elector:
             raise PgcoordError(f"elector {self.name!r}: could not ask who leads: {exc!r}") from exc
 
 
-_END: Any = object()
-
-
-class LeaderWatch:
-    """An async iterator of ``LeaderChanged``; see ``Elector.watch``."""
-
-    def __init__(self, subscribers: set[asyncio.Queue[LeaderChanged]]) -> None:
-        self._queue: asyncio.Queue[LeaderChanged] = asyncio.Queue()
-        self._subscribers = subscribers
-        subscribers.add(self._queue)
-
-    def __aiter__(self) -> LeaderWatch:
-        return self
-
-    async def __anext__(self) -> LeaderChanged:
-        change = await self._queue.get()
-        if change is _END:
-            self.close()
-            raise StopAsyncIteration
-        return change
-
-    def close(self) -> None:
-        self._subscribers.discard(self._queue)
+#: An async iterator of ``LeaderChanged``; see ``Elector.watch``.
+LeaderWatch = Subscription[LeaderChanged]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import _errmap
-from ._aio import consume_result, finish_despite_cancel
+from ._aio import END_OF_STREAM, Subscription, consume_result, finish_despite_cancel
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._listen import listen
 from ._queries import query
@@ -302,7 +302,7 @@ class Member:
             await finish_despite_cancel(self._leave())
         await finish_despite_cancel(self._drop_sessions())
         for queue in self._subscribers:
-            queue.put_nowait(_END)
+            queue.put_nowait(END_OF_STREAM)
 
     async def _leave(self) -> None:
         if self.id is not None and self._main is not None and not self._lost.is_set():
@@ -736,30 +736,8 @@ class Member:
         member is closed. A lost session of our own is reported as every peer
         leaving (``crashed``), then joining again once we have rejoined.
         """
-        return MemberWatch(self._subscribers)
+        return Subscription(self._subscribers)
 
 
-class MemberWatch:
-    """An async iterator of membership changes; see ``Member.watch``."""
-
-    def __init__(self, subscribers: set[asyncio.Queue[MemberChange]]) -> None:
-        self._queue: asyncio.Queue[MemberChange] = asyncio.Queue()
-        self._subscribers = subscribers
-        subscribers.add(self._queue)
-
-    def __aiter__(self) -> MemberWatch:
-        return self
-
-    async def __anext__(self) -> MemberChange:
-        change = await self._queue.get()
-        if change is _END:
-            self.close()
-            raise StopAsyncIteration
-        return change
-
-    def close(self) -> None:
-        """Stop receiving changes."""
-        self._subscribers.discard(self._queue)
-
-
-_END: Any = object()
+#: An async iterator of membership changes; see ``Member.watch``.
+MemberWatch = Subscription[MemberChange]
