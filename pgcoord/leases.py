@@ -40,6 +40,7 @@ from ._drivers import (
     tx_session,
 )
 from ._drivers.base import AsyncTxSession
+from ._drivers.capacity import pool_capacity
 from ._keys import lock_key
 from ._queries import query
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
@@ -108,27 +109,7 @@ def lock_timeout_setting(seconds: float) -> str:
 
 # -- pools ----------------------------------------------------------------------------------
 
-def _pool_capacity(source: Any) -> int | None:
-    """The most connections ``source`` (a pool or engine) can have out at once, or
-    None when it has no fixed limit or pgcoord cannot tell."""
-    root = type(source).__module__.partition(".")[0]
-    if root == "asyncpg":
-        return int(source.get_max_size())
-    if root == "psycopg_pool":
-        return int(source.max_size)
-    if root == "sqlalchemy":
-        from sqlalchemy.pool import AssertionPool, QueuePool, SingletonThreadPool, StaticPool
-
-        pool = source.pool
-        if isinstance(pool, StaticPool | AssertionPool | SingletonThreadPool):
-            return 1
-        if isinstance(pool, QueuePool):
-            # QueuePool keeps max_overflow only privately; where it is not an int
-            # (another SQLAlchemy), the limit is unknown and nothing is refused.
-            overflow = getattr(pool, "_max_overflow", None)
-            if isinstance(overflow, int) and overflow >= 0:
-                return int(pool.size()) + overflow
-    return None
+_pool_capacity = pool_capacity
 
 
 def _refuse_single_connection_pool(source: Any) -> None:

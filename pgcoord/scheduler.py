@@ -44,6 +44,7 @@ from cronsim import CronSim, CronSimError
 from . import metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._drivers import check_source, run_statement
+from ._drivers.capacity import pool_capacity
 from ._keys import lock_key
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
@@ -188,32 +189,6 @@ def _backoff(failures: int) -> float:
     (so that replicas cut off together do not come back in step)."""
     base: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2.0 ** max(0, failures - 1))
     return base * random.uniform(0.5, 1.0)
-
-
-def pool_capacity(source: Any) -> int | None:
-    """How many connections ``source`` (an async pool or engine) lends at once, or
-    None when it sets no bound that pgcoord can read."""
-    module = type(source).__module__.partition(".")[0]
-    if module == "asyncpg":
-        size: int = source.get_max_size()
-        return size
-    if module == "psycopg_pool":
-        most = int(source.max_size)
-        return most or None  # 0: an AsyncNullConnectionPool without a bound
-    if module == "sqlalchemy":
-        from sqlalchemy.pool import AssertionPool, QueuePool, StaticPool
-
-        pool = source.sync_engine.pool
-        if isinstance(pool, StaticPool | AssertionPool):
-            return 1
-        if isinstance(pool, QueuePool):
-            # QueuePool keeps max_overflow only in this private attribute (-1:
-            # unbounded, also for pool_size=0); test_pool_capacity_of_each_pool_type
-            # fails if a SQLAlchemy version keeps it elsewhere. Unknown: no bound.
-            overflow = getattr(pool, "_max_overflow", None)
-            if isinstance(overflow, int) and overflow >= 0:
-                return int(pool.size()) + overflow
-    return None
 
 
 def _refuse_shared_connection(source: Any) -> None:
