@@ -1,0 +1,2 @@
+-- Semaphores (filled in with issue 13).
+select 1;
