@@ -22,6 +22,7 @@ from .errors import (
 from .leases import Lease, check_fence
 from .locks import ExclusiveLock, exclusive
 from .member import Member, MemberInfo, MemberJoined, MemberLeft
+from .partitions import Partition, Partitions
 from .scheduler import Scheduler, Slot
 from .session import HeldLock, LockHolder
 
@@ -44,6 +45,8 @@ __all__ = [
     "MemberInfo",
     "MemberJoined",
     "MemberLeft",
+    "Partition",
+    "Partitions",
     "PgcoordError",
     "PoolExhausted",
     "Scheduler",

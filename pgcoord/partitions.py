@@ -1,0 +1,475 @@
+"""``Partitions``: N parts of work spread over the live members that take part, each
+part owned by one member at a time and fenced; see DESIGN §7.
+
+Each part ``"<name>/<index>"`` is a row of ``pgcoord.leases``: its fence grows on
+every change of owner, so ``check_fence(conn, part.name, part.fence)`` rejects a
+stale owner's writes. An owner also holds the part's doorbell (the session lock
+an elector's leader holds) on its member's session, so that the moment that
+session ends — the process died, was terminated, the server restarted — the row
+is free for the taking, without waiting for the lease to expire.
+
+Who owns what is computed by every participant from the same facts, read in one
+statement: the live participants (members whose session holds this partitioning's
+participation lock) and the current owner of each part (``_assignment.balanced``:
+balanced, and sticky, so a change moves only the parts it must). Each participant
+then acts on its own parts only: it gives up those assigned elsewhere, and claims
+those assigned to it once they are free. A participant looks again whenever there
+is news — a member gone (the member's death news), a participant joining or
+leaving, a part released (lease news) — and at least every third of a ttl.
+
+Handover: a part that must move is given up only after its ``own()`` was cancelled
+and has finished, and only then can the new owner claim it and start its own.
+A member that dies takes its ``own()`` calls with it; its parts are claimed as
+soon as the others hear of the death.
+
+The owner believes it owns a part only inside a trust window that closes, on the
+monotonic clock, before anyone else could take the part over (the lease's expiry,
+or the server ending our silent session), as ``Lease`` and ``Elector`` do. Claims
+and renewals are one statement for all of a member's parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _errmap
+from ._aio import finish_despite_cancel
+from ._assignment import balanced
+from ._keys import lock_key
+from ._queries import query
+from .errors import SchemaMissing, UnsupportedConnection
+from .leases import trust_margin, validate_ttl
+
+if TYPE_CHECKING:
+    from .member import Member, MemberSession
+
+__all__ = ["Partition", "Partitions"]
+
+log = logging.getLogger("pgcoord.partitions")
+
+PARTS_CHANNEL = "pgcoord_partitions"
+LEASE_CHANNEL = "pgcoord_leases"
+MAX_COUNT = 65536
+# An own() that raised is started again after this long, doubling to the max,
+# while its part stays ours.
+RESTART_FIRST = 1.0
+RESTART_MAX = 30.0
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One part while this member owns it: ``name`` is ``"<partitions>/<index>"``,
+    the lease whose current ``fence`` this ownership holds."""
+
+    index: int
+    name: str
+    fence: int
+
+
+Own = Callable[[Partition], Awaitable[Any]]
+
+
+class _Held:
+    """A part this session holds: its fence, its trust window and its own() task."""
+
+    __slots__ = ("draining", "part", "task", "trust_until")
+
+    def __init__(self, part: Partition, trust_until: float) -> None:
+        self.part = part
+        self.trust_until = trust_until
+        self.task: asyncio.Task[None] | None = None
+        self.draining = False
+
+
+class _SessionGone(Exception):
+    pass
+
+
+def _validate(member: Any, name: Any, count: Any) -> None:
+    from .member import Member
+
+    if not isinstance(member, Member):
+        raise TypeError(f"Partitions takes a pgcoord.Member, not {type(member).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    if not name or len(name) > 200:
+        raise ValueError("name must be 1 to 200 characters")
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise TypeError(f"count must be an int, not {type(count).__name__}")
+    if not 1 <= count <= MAX_COUNT:
+        raise ValueError(f"count must be between 1 and {MAX_COUNT}, got {count}")
+
+
+class Partitions:
+    """``count`` parts of ``name`` spread over the live members running ``run()``.
+
+    ``Partitions(member, "ingest", count=64)``; ``await parts.run(own)`` calls
+    ``own(part)`` for each part this member comes to own, as a task of its own,
+    and cancels it when the part moves away (or its trust window closes, or the
+    member's session is lost). An ``own()`` that returns keeps its part until
+    the part moves; one that raises is logged and started again after a back-off
+    (1 s, doubling to 30 s) while the part stays ours. ``ttl`` (default: the
+    member's) is the parts' lease ttl: how long an unrenewed part stays taken.
+    The name is database-wide: every member running ``Partitions`` of that name,
+    whatever its group, takes part.
+    """
+
+    def __init__(self, member: Member, name: str, *, count: int, ttl: float | None = None) -> None:
+        _validate(member, name, count)
+        self.member = member
+        self.name = name
+        self.count = count
+        self.ttl = validate_ttl(member.ttl if ttl is None else ttl)
+        self._held: dict[int, _Held] = {}
+        self._holder: str | None = None  # "<member name>/<member id>" for this session
+        self._news = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._running = False
+        self._renew_at = 0.0
+        self._own: Own | None = None
+        self._session_id: int | None = None  # the member id of the session we serve on
+
+    # -- what users read --------------------------------------------------------------
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """The parts this member owns now (their trust window is open), including
+        parts on their way to another member whose ``own()`` is still finishing."""
+        now = time.monotonic()
+        return frozenset(i for i, held in self._held.items() if now < held.trust_until)
+
+    async def assignment(self) -> dict[int, str]:
+        """Who owns each owned part now, ``{index: member name}``, read from the
+        database (parts being handed over or not yet claimed are absent)."""
+        await self.member.wait_joined()
+        state = await self._state(self.member.session())
+        return {index: holder.rpartition("/")[0] for index, holder in state[1].items()}
+
+    def _part_name(self, index: int) -> str:
+        return f"{self.name}/{index}"
+
+    def _bell(self, index: int) -> int:
+        # pgcoord.lease_doorbell_key(part name), as the SQL computes it.
+        return lock_key(f"pgcoord.elector:{self._part_name(index)}")
+
+    @property
+    def _window(self) -> float:
+        # The earliest anyone may take a part over: its lease's expiry, or the server
+        # ending our silent session (the member's idle_session_timeout, 0.9 x ttl).
+        return min(self.ttl, self.member.ttl * 0.9)
+
+    # -- news --------------------------------------------------------------------------------
+
+    def _on_parts_news(self, payload: str) -> None:
+        if payload == self.name:
+            self._news.set()
+
+    def _on_lease_news(self, payload: str) -> None:
+        try:
+            news = json.loads(payload)
+        except ValueError:
+            return
+        lease = news.get("name")
+        if isinstance(lease, str) and lease.startswith(self.name + "/"):
+            self._news.set()
+
+    def _on_session_lost(self, old_id: int) -> None:
+        """Our session ended: every part went with it. Stop every own() now."""
+        if old_id != self._session_id:
+            return
+        self._lost.set()
+        self._news.set()
+        for held in self._held.values():
+            held.trust_until = 0.0
+            if held.task is not None:
+                held.task.cancel()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self, own: Own) -> None:
+        """Own parts until cancelled: returns only by cancellation (or raises
+        ``SchemaMissing`` / ``UnsupportedConnection``). On the way out every
+        ``own()`` is cancelled and awaited, then every part is given up."""
+        if not callable(own):
+            raise TypeError("own must be an async function taking a Partition")
+        if self._running:
+            raise RuntimeError(f"Partitions {self.name!r} is already running")
+        self._running, self._own = True, own
+        member = self.member
+        unhooks = [
+            member.on_member_left(lambda _id: self._news.set()),
+            member.on_session_lost(self._on_session_lost),
+            await member.listen(PARTS_CHANNEL, self._on_parts_news),
+            await member.listen(LEASE_CHANNEL, self._on_lease_news),
+        ]
+        session: MemberSession | None = None
+        failures = 0
+        try:
+            while True:
+                await member.wait_joined()
+                if member.polling:
+                    raise UnsupportedConnection(
+                        "Partitions needs a session (an owner's death must free its parts at once); "
+                        "this member is behind a transaction-mode pooler")
+                try:
+                    session = member.session()
+                except Exception:  # joining again right now
+                    await asyncio.sleep(0.05)
+                    continue
+                try:
+                    await self._serve(session)
+                except (SchemaMissing, UnsupportedConnection):
+                    raise
+                except Exception as exc:
+                    mapped = _errmap.as_schema_missing(exc)
+                    if isinstance(mapped, SchemaMissing):
+                        raise mapped from exc
+                    lost = self._lost.is_set() or isinstance(exc, _SessionGone) or _errmap.session_gone(exc)
+                    await self._forget_all()
+                    if lost:
+                        self._held.clear()
+                        log.info("partitions %r: the member's session was lost; parts dropped", self.name)
+                        failures = 0
+                        await asyncio.sleep(random.uniform(0.0, 0.02))
+                        continue
+                    failures += 1
+                    delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                    log.warning("partitions %r: %r; trying again in %.2fs", self.name, exc, delay)
+                    await self._leave_quietly(session)
+                    session = None
+                    await asyncio.sleep(delay)
+        finally:
+            for unhook in unhooks:
+                unhook()
+            await finish_despite_cancel(self._shutdown(session))
+            self._running = False
+
+    async def _call(self, session: MemberSession, name: str, *args: Any) -> Any:
+        if self._lost.is_set():
+            raise _SessionGone("the member's session was lost")
+        return await session.fetchval(query(name), *args)
+
+    async def _serve(self, session: MemberSession) -> None:
+        member_id = self.member.id
+        if member_id is None:
+            raise _SessionGone("no session")
+        self._session_id = member_id
+        self._lost.clear()
+        if self.member.id != member_id:  # lost between the two reads
+            raise _SessionGone("the member's session was lost")
+        self._holder = f"{self.member.name}/{member_id}"
+        await self._call(session, "partition_join", self.name, self.count, member_id)
+        session.owned[(self._participation_key(member_id), False)] += 1
+        self._renew_at = 0.0
+        while True:
+            self._news.clear()  # before looking, so that news arriving meanwhile is kept
+            await self._step(session)
+            await self._wait(self._next_deadline())
+
+    def _participation_key(self, member_id: int) -> int:
+        return lock_key(f"pgcoord.partitions:{self.name}:{member_id}")
+
+    async def _state(self, session: MemberSession) -> tuple[list[str], dict[int, str]]:
+        state = json.loads(await session.fetchval(query("partition_state"), self.name, self.count))
+        owners = {int(i): str(holder) for i, holder, _fence in state["owners"]}
+        return [str(m) for m in state["members"]], owners
+
+    async def _step(self, session: MemberSession) -> None:
+        """Look once: drop parts whose trust ran out, give up parts assigned away
+        (once their own() has finished), claim parts assigned to us, renew."""
+        now = time.monotonic()
+        for held in self._held.values():
+            if now >= held.trust_until and not held.draining:
+                log.warning("partitions %r: part %d not renewed within its trust window; stopping it",
+                            self.name, held.part.index)
+                self._drain(held)
+        members, owners = await self._state(session)
+        target = balanced(self.name, self.count, members, owners)
+        holder = self._holder
+        assert holder is not None
+        for index, held in self._held.items():
+            if target.get(index) != holder and not held.draining:
+                self._drain(held)
+        finished = [held for held in self._held.values()
+                    if held.draining and (held.task is None or held.task.done())]
+        if finished:
+            await self._release(session, finished)
+        live = set(members)
+        wanted = sorted(index for index, owner in target.items()
+                        if owner == holder and index not in self._held
+                        and (owners.get(index) not in live or owners.get(index) == holder))
+        if wanted:
+            await self._claim(session, wanted)
+        if self._held and time.monotonic() >= self._renew_at:
+            await self._renew(session)
+
+    def _drain(self, held: _Held) -> None:
+        held.draining = True
+        if held.task is not None:
+            held.task.cancel()
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        deadline = now + self._window / 3 * random.uniform(0.8, 1.0)  # look again anyway
+        if self._held:
+            deadline = min(deadline, self._renew_at)
+            deadline = min([deadline] + [h.trust_until for h in self._held.values() if not h.draining])
+        return deadline
+
+    async def _wait(self, deadline: float) -> None:
+        timeout = max(0.0, deadline - time.monotonic())
+        if self._news.is_set() or timeout == 0.0:
+            return
+        news = asyncio.ensure_future(self._news.wait())
+        try:
+            await asyncio.wait({news}, timeout=timeout)
+        finally:
+            news.cancel()
+
+    # -- claims, renewals, releases ------------------------------------------------------------
+
+    async def _claim(self, session: MemberSession, wanted: list[int]) -> None:
+        assert self._holder is not None and self._own is not None
+        sent = time.monotonic()
+        try:
+            raw = await self._call(session, "partition_claim", self.name, wanted, self._holder,
+                                   int(self.ttl * 1000))
+        except Exception:
+            # Doorbells taken before the failure are still held (session locks
+            # outlive a failed statement): give back those of parts not ours.
+            if not self._lost.is_set():
+                with contextlib.suppress(Exception):
+                    await self._call(session, "partition_unring", self.name, wanted)
+            raise
+        taken, _given_back = json.loads(raw)
+        trust_until = sent + self._window - trust_margin(self._window)
+        for index, fence in taken:
+            part = Partition(int(index), self._part_name(int(index)), int(fence))
+            held = _Held(part, trust_until)
+            self._held[part.index] = held
+            session.owned[(self._bell(part.index), False)] += 1
+            held.task = asyncio.create_task(self._supervise(part), name=f"pgcoord-part:{part.name}")
+            held.task.add_done_callback(lambda _t: self._news.set())
+        if taken:
+            log.info("partitions %r: %s claimed parts %s", self.name, self._holder,
+                     sorted(int(i) for i, _f in taken))
+            if self._renew_at == 0.0 or len(taken) == len(self._held):
+                self._renew_at = sent + self._window / 3
+
+    async def _renew(self, session: MemberSession) -> None:
+        assert self._holder is not None
+        held = [h for h in self._held.values() if time.monotonic() < h.trust_until or h.draining]
+        if not held:
+            return
+        sent = time.monotonic()
+        raw = await self._call(session, "partition_renew", self.name,
+                               [h.part.index for h in held], [h.part.fence for h in held],
+                               self._holder, int(self.ttl * 1000))
+        renewed, ours = (set(map(int, x)) for x in json.loads(raw))
+        trust_until = sent + self._window - trust_margin(self._window)
+        lost = []
+        for h in held:
+            if h.part.index in renewed:
+                h.trust_until = trust_until
+            elif h.part.index not in ours:
+                lost.append(h)
+        for h in lost:
+            log.warning("partitions %r: part %d (fence %d) was taken over", self.name, h.part.index,
+                        h.part.fence)
+            h.trust_until = 0.0
+            self._drain(h)
+        self._renew_at = sent + self._window / 3
+
+    async def _release(self, session: MemberSession, parts: list[_Held]) -> None:
+        assert self._holder is not None
+        await self._call(session, "partition_release", self.name, [h.part.index for h in parts],
+                         [h.part.fence for h in parts], self._holder, [h.part.index for h in parts])
+        for h in parts:
+            self._held.pop(h.part.index, None)
+            self._unowned(session, h.part.index)
+        log.info("partitions %r: %s gave up parts %s", self.name, self._holder,
+                 sorted(h.part.index for h in parts))
+
+    def _unowned(self, session: MemberSession, index: int) -> None:
+        key = (self._bell(index), False)
+        session.owned[key] -= 1
+        if session.owned[key] <= 0:
+            del session.owned[key]
+
+    # -- the parts' own() --------------------------------------------------------------------------
+
+    async def _supervise(self, part: Partition) -> None:
+        own = self._own
+        assert own is not None
+        delay = RESTART_FIRST
+        while True:
+            try:
+                await own(part)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("partitions %r: own(%s) failed; starting it again in %.0fs",
+                              self.name, part.name, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESTART_MAX)
+
+    async def _stop_tasks(self) -> None:
+        tasks = [h.task for h in self._held.values() if h.task is not None and not h.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _forget_all(self) -> None:
+        """After a lost session or a failed step: stop every own(); what the session
+        held goes with it or is given back by ``_leave_quietly``."""
+        for held in self._held.values():
+            held.trust_until = 0.0
+        await self._stop_tasks()
+
+    async def _leave_quietly(self, session: MemberSession | None) -> None:
+        """Give back what this session may still hold, without raising; whatever
+        is left is unlocked by the member in the background (``terminate``)."""
+        if session is not None and not self._lost.is_set() and self._holder is not None:
+            with contextlib.suppress(Exception):
+                await finish_despite_cancel(self._give_up(session))
+            session.terminate()
+        self._held.clear()
+
+    async def _give_up(self, session: MemberSession) -> None:
+        """Give up every part this session holds, including any whose claim was cut
+        short (its doorbell taken, the reply never read), and stop taking part."""
+        assert self._holder is not None
+        member_id = self._session_id
+        await self._call(session, "partition_release_all", self.name, self.count, self._holder)
+        for index in list(self._held):
+            self._unowned(session, index)
+        self._held.clear()
+        if member_id is not None:
+            key = (self._participation_key(member_id), False)
+            if session.owned.get(key):
+                await self._call(session, "partition_leave", self.name, member_id)
+                del session.owned[key]
+
+    async def _shutdown(self, session: MemberSession | None) -> None:
+        await self._stop_tasks()
+        if session is not None and not self._lost.is_set() and self._holder is not None:
+            try:
+                await self._give_up(session)
+            except Exception as exc:
+                # Whatever is left is unlocked by the member in the background.
+                log.warning("partitions %r: giving up parts failed: %r", self.name, exc)
+            session.terminate()
+        self._held.clear()
+
