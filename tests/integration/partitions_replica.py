@@ -3,7 +3,8 @@
     python partitions_replica.py DSN NAME COUNT MEMBER TTL DRIVER [WRITE_TABLE]
 
 Prints ``JOINED <member id>``, then ``OWN <index> <fence> <unix time>`` when an
-own() starts and ``END <index> <fence> <unix time>`` when it ends. With
+own() starts and ``END <index> <fence> <unix time>`` when it ends, and ``LEFT <member> <unix
+time>`` when it hears a member is gone. With
 WRITE_TABLE, each own() does a fenced write (check_fence, then an insert of
 (part, fence, writer)) every 20 ms and prints ``STALE <index> <fence>`` for each
 write the fence rejected. On SIGTERM it leaves gracefully.
@@ -48,6 +49,14 @@ async def main(dsn: str, name: str, count: int, member_name: str, ttl: float, dr
 
     async with pgcoord.Member(dsn, group=f"g-{name}", name=member_name, ttl=ttl, driver=driver) as member:
         print(f"JOINED {member.id}", flush=True)
+        changes = member.watch()
+
+        async def report() -> None:
+            async for change in changes:
+                if isinstance(change, pgcoord.MemberLeft):
+                    print(f"LEFT {change.member.name} {time.time():.6f}", flush=True)
+
+        reporter = asyncio.create_task(report())
         parts = pgcoord.Partitions(member, name, count=count)
         runner = asyncio.create_task(parts.run(own))
         await stop.wait()
@@ -56,6 +65,7 @@ async def main(dsn: str, name: str, count: int, member_name: str, ttl: float, dr
             await runner
         except asyncio.CancelledError:
             pass
+        reporter.cancel()
     if pool is not None:
         await pool.close()
     print("STOPPED", flush=True)
