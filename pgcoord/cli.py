@@ -1,4 +1,4 @@
-"""The ``pgcoord`` command: ``migrate``, ``status`` and ``demo``."""
+"""The ``pgcoord`` command: ``migrate``, ``status``, ``doctor`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
     status.add_argument("--json", action="store_true", help="print rows as JSON")
     status.set_defaults(func=cmd_status)
+
+    from .doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub, [debug], _default_dsn())
 
     demo = sub.add_parser("demo", parents=[debug], help="show pgcoord working on a throwaway PostgreSQL")
     demo.add_argument("--dsn", default=None,

@@ -1,0 +1,306 @@
+"""``pgcoord doctor``: checks a deployment against what pgcoord relies on (DESIGN §10).
+
+Each check is data, a :class:`Check` (name, status ``pass``/``warn``/``fail``, what was
+found, and one line saying what to do), so the command can print them as a table or as
+JSON and tests can read them. ``run_checks()`` never raises for what it finds: a
+database it cannot reach is a failed ``connect`` check, not a traceback.
+
+The exit status is the worst status: 0 every check passed, 1 a warning, 2 a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
+from ._queries import parse
+from ._resources import migrations_dir, read_sql
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+EXIT_STATUS = {PASS: 0, WARN: 1, FAIL: 2}
+
+MIN_SERVER, NEWEST_TESTED = 140000, 18  # PostgreSQL 14 .. 18 (DESIGN: Scope)
+SKEW_WARN, SKEW_FAIL = 1.0, 30.0  # seconds between this host's clock and the server's
+LOCKS_WARN = 0.5  # of the lock table: advisory locks share it with every other lock
+CONNECTIONS_WARN = 0.8  # of the connection slots a non-superuser may take
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # PASS, WARN or FAIL
+    detail: str  # what was found
+    fix: str = ""  # one line, for a warning or a failure
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def exit_status(checks: list[Check]) -> int:
+    return max((EXIT_STATUS[c.status] for c in checks), default=0)
+
+
+@cache
+def _q(name: str) -> str:
+    return parse(read_sql("doctor_queries.sql"))[name]
+
+
+def _head() -> str:
+    """The newest revision this pgcoord ships, without Alembic if need be (revisions
+    are numbered files: 0001_foundation.py ...)."""
+    if importlib.util.find_spec("alembic") is not None:
+        from .migrations import head
+
+        return head()
+    numbers = (re.match(r"(\d{4})_", p.name) for p in (migrations_dir() / "versions").glob("*.py"))
+    return max(m.group(1) for m in numbers if m)
+
+
+# -- the checks, each on what the server told ---------------------------------------------
+
+def check_version(num: int, text: str) -> Check:
+    if num < MIN_SERVER:
+        return Check("server_version", FAIL, f"PostgreSQL {text}",
+                     "pgcoord needs PostgreSQL 14 or newer: upgrade the server")
+    if num // 10000 > NEWEST_TESTED:
+        return Check("server_version", WARN, f"PostgreSQL {text}, newer than any pgcoord is tested on "
+                     f"(14 to {NEWEST_TESTED})", "run pgcoord's test suite against it, or report an issue")
+    return Check("server_version", PASS, f"PostgreSQL {text}")
+
+
+def check_schema(installed: bool, readable: bool, version: str | None, head: str) -> Check:
+    if not installed:
+        return Check("schema", FAIL, "pgcoord's schema is not installed",
+                     "install it: pgcoord migrate --dsn ... (as the database's owner)")
+    if not readable:
+        return Check("schema", WARN, "this role may not read pgcoord.alembic_version",
+                     "run doctor as the schema's owner to check the revision")
+    if version == head:
+        return Check("schema", PASS, f"at head ({head})")
+    return Check("schema", FAIL, f"at revision {version or 'none'}, this pgcoord's head is {head}",
+                 "upgrade it: pgcoord migrate --dsn ... (or upgrade the pgcoord package, "
+                 "if the database is ahead)")
+
+
+def check_privileges(role: str, superuser: bool | None, missing: str | None) -> Check:
+    if superuser is None:
+        return Check("privileges", FAIL, f"there is no role {role}", "check --role")
+    if superuser:
+        return Check("privileges", PASS, f"{role} is a superuser: it has every privilege "
+                     "(pass --role to check a service role)")
+    if missing:
+        return Check("privileges", FAIL, f"{role} lacks {missing}",
+                     "grant them: run sql/roles.sql (as the schema's owner) for this role")
+    return Check("privileges", PASS, f"{role} has every grant of sql/roles.sql's service role")
+
+
+def check_locks(capacity: int, in_use: int, expected: int) -> Check:
+    need = max(in_use, expected)
+    detail = (f"lock table of {capacity} slots (max_locks_per_transaction x connections); "
+              f"{in_use} advisory locks now" + (f", {expected} expected" if expected else ""))
+    fix = "raise max_locks_per_transaction (a restart), or hold fewer session locks at once"
+    if need >= capacity:
+        return Check("lock_headroom", FAIL, detail, fix)
+    if need > LOCKS_WARN * capacity:
+        return Check("lock_headroom", WARN, detail + f": over {LOCKS_WARN:.0%}", fix)
+    return Check("lock_headroom", PASS, detail)
+
+
+def check_connections(max_conn: int, reserved: int, in_use: int, expected: int) -> Check:
+    usable = max_conn - reserved
+    need = in_use + expected
+    detail = (f"{in_use} client connections of {usable} usable (max_connections {max_conn}, "
+              f"{reserved} reserved)" + (f", {expected} more expected" if expected else ""))
+    fix = ("raise max_connections, or give each process one Member (2 connections for all "
+           "its electors, locks and claims) and smaller pools")
+    if need >= usable:
+        return Check("connections", FAIL, detail, fix)
+    if need > CONNECTIONS_WARN * usable:
+        return Check("connections", WARN, detail + f": over {CONNECTIONS_WARN:.0%}", fix)
+    return Check("connections", PASS, detail)
+
+
+def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknown: int,
+                      sync_commit: str) -> Check:
+    if in_recovery:
+        return Check("replication", FAIL, "connected to a standby (read-only): pgcoord cannot write here",
+                     "list every server in the DSN with target_session_attrs=read-write")
+    if standbys == 0:
+        return Check("replication", PASS, "no streaming standbys")
+    if unknown:
+        return Check("replication", WARN, f"{standbys} standbys; this role may not see their sync state",
+                     "run doctor as a role with pg_monitor")
+    if synchronous == 0:
+        return Check("replication", WARN,
+                     f"{standbys} standbys, all asynchronous: on failover a lease, a takeover or "
+                     "a fence can go back by the replication lag",
+                     "name a standby in synchronous_standby_names (and keep synchronous_commit on)")
+    if sync_commit in ("off", "local"):
+        return Check("replication", WARN, f"synchronous standby present, but synchronous_commit is "
+                     f"{sync_commit}: commits do not wait for it",
+                     "set synchronous_commit = on (or remote_apply) for pgcoord's role")
+    return Check("replication", PASS, f"{standbys} standbys, {synchronous} synchronous")
+
+
+def check_synchronous_commit(value: str) -> Check:
+    if value == "off":
+        return Check("synchronous_commit", WARN,
+                     "off: a crash can lose acknowledged lease takeovers and fences",
+                     "ALTER ROLE <service role> SET synchronous_commit = on")
+    return Check("synchronous_commit", PASS, value)
+
+
+def check_clock(skew: float) -> Check:
+    detail = f"this host's clock is {abs(skew):.3f} s {'ahead of' if skew > 0 else 'behind'} the server's"
+    fix = "run NTP (chrony, systemd-timesyncd) on both hosts"
+    if abs(skew) >= SKEW_FAIL:
+        return Check("clock_skew", FAIL, detail, fix)
+    if abs(skew) >= SKEW_WARN:
+        return Check("clock_skew", WARN, detail + " (pgcoord decides by the server's clock; "
+                     "logs and job times will disagree)", fix)
+    return Check("clock_skew", PASS, detail)
+
+
+def check_pooler(pooled: bool, transaction_mode: bool) -> Check:
+    if transaction_mode:
+        return Check("pooler", WARN, "a transaction-mode pooler is in between: LockHolder is refused, "
+                     "electors and members fall back to polling",
+                     "give Member, Elector and LockHolder a direct DSN (or a session-mode pool)")
+    if pooled:
+        return Check("pooler", PASS, "a session-mode pooler is in between")
+    return Check("pooler", PASS, "direct to the server")
+
+
+# -- running them ---------------------------------------------------------------------------
+
+def _driver() -> str:
+    # libpq reads every form of DSN (key=value, multi-host); asyncpg only URLs.
+    return "psycopg" if importlib.util.find_spec("psycopg") is not None else "asyncpg"
+
+
+async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, connections: int,
+                  role: str | None, clock: Callable[[], float]) -> list[Check]:
+    sent = clock()
+    (num, version, in_recovery, pid, sync_commit, _names, server_now, user,
+     _superuser) = await conn.fetchrow(_q("doctor_server"))  # type: ignore[misc]
+    skew = (sent + clock()) / 2 - float(server_now)
+    checks = [check_version(int(num), str(version))]
+    installed, readable = await conn.fetchrow(_q("doctor_schema_installed"))  # type: ignore[misc]
+    schema_version = await conn.fetchval(_q("doctor_schema_version")) if readable else None
+    checks.append(check_schema(bool(installed), bool(readable), schema_version, _head()))
+    if installed:
+        role = role or str(user)
+        superuser, missing = await conn.fetchrow(_q("doctor_missing_privileges"), role)  # type: ignore[misc]
+        checks.append(check_privileges(role, superuser, missing))
+    capacity, advisory, max_conn, reserved, clients = await conn.fetchrow(_q("doctor_capacity"))  # type: ignore[misc]
+    checks.append(check_locks(int(capacity), int(advisory), locks))
+    checks.append(check_connections(int(max_conn), int(reserved), int(clients), connections))
+    standbys, synchronous, unknown = await conn.fetchrow(_q("doctor_standbys"))  # type: ignore[misc]
+    checks.append(check_replication(bool(in_recovery), int(standbys), int(synchronous), int(unknown),
+                                    str(sync_commit)))
+    checks.append(check_synchronous_commit(str(sync_commit)))
+    checks.append(check_clock(skew))
+    conn.backend_pid = int(pid)
+    pooled = conn.announced_pid() != conn.backend_pid
+    checks.append(check_pooler(pooled, pooled and await behind_transaction_pooler(source, conn)))
+    return checks
+
+
+async def run_checks_async(dsn: str, *, locks: int = 0, connections: int = 0, role: str | None = None,
+                           clock: Callable[[], float] = time.time) -> list[Check]:
+    """Every check against ``dsn``. ``locks``: the advisory locks the deployment holds at
+    its peak; ``connections``: the connections it will open beyond those open now;
+    ``role``: whose privileges to check (default: the role connected)."""
+    from ._clierrors import describe, explain, libpq_dsn, with_connect_timeout
+
+    source = DsnSource(with_connect_timeout(libpq_dsn(dsn)) if "://" in dsn else dsn, _driver(),
+                       keepalive=10.0)
+    try:
+        conn = await source.open()
+    except Exception as exc:
+        failure = explain(exc, dsn)
+        return [Check("connect", FAIL, failure.message, "check --dsn, and that the server is up")]
+    checks = [Check("connect", PASS, f"connected to {describe(dsn)}")]
+    try:
+        await conn.prepare()
+        return checks + await _gather(conn, source, locks=locks, connections=connections, role=role,
+                                      clock=clock)
+    except Exception as exc:  # a check that could not run is a failure, not a traceback
+        return [*checks, Check("doctor", FAIL, f"a check could not run: {explain(exc, dsn).message}",
+                               "fix that, then run doctor again")]
+    finally:
+        await conn.close_now()
+
+
+def run_checks(dsn: str, **options: Any) -> list[Check]:
+    return asyncio.run(run_checks_async(dsn, **options))
+
+
+def format_checks(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status.upper():4}  {c.name:<{width}}  {c.detail}")
+        if c.status != PASS and c.fix:
+            lines.append(f"{'':4}  {'':<{width}}  fix: {c.fix}")
+    worst = exit_status(checks)
+    lines.append({0: "all checks passed", 1: "warnings: see fix", 2: "failures: see fix"}[worst])
+    return "\n".join(lines)
+
+
+__all__ = ["Check", "check_clock", "exit_status", "format_checks", "run_checks", "run_checks_async"]
+
+
+# -- the command ----------------------------------------------------------------------------
+
+DOCTOR_EPILOG = """exit status:
+  0    every check passed
+  1    a warning (and no failure): each says what to do
+  2    a failure: a check failed, the database could not be reached, or a bad option
+  130  interrupted"""
+
+
+def add_parser(sub: Any, parents: list[Any], default_dsn: str | None) -> None:
+    """``pgcoord doctor``, for ``cli.build_parser()``."""
+    import argparse
+
+    doctor = sub.add_parser("doctor", parents=parents, help="check a deployment (DESIGN §10)",
+                            epilog=DOCTOR_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_argument("--dsn", default=default_dsn,
+                        help="database URL or key=value string, multi-host allowed "
+                             "(default $PGCOORD_DSN, then $DATABASE_URL)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument("--locks", type=int, default=0, metavar="N",
+                        help="advisory locks the deployment holds at its peak (default: those held now)")
+    doctor.add_argument("--connections", type=int, default=0, metavar="N",
+                        help="connections the deployment will open beyond those open now")
+    doctor.add_argument("--role", default=None,
+                        help="check this role's privileges (default: the role connected)")
+    doctor.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: Any) -> int:
+    import json
+
+    from ._clierrors import EXIT_USAGE, CliError, check_dsn
+
+    if not args.dsn:
+        raise CliError(EXIT_USAGE, "no database given: pass --dsn postgresql://user@host/dbname "
+                                   "or set PGCOORD_DSN")
+    if args.locks < 0 or args.connections < 0:
+        raise CliError(EXIT_USAGE, "--locks and --connections take a number >= 0")
+    checks = run_checks(check_dsn(str(args.dsn)), locks=args.locks, connections=args.connections,
+                        role=args.role)
+    if args.json:
+        print(json.dumps({"status": exit_status(checks),
+                          "checks": [c.as_dict() for c in checks]}, indent=2))
+    else:
+        print(format_checks(checks))
+    return exit_status(checks)

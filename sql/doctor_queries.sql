@@ -1,0 +1,85 @@
+-- Queries of `pgcoord doctor` (pgcoord/doctor.py): read-only, any role may run them.
+
+-- name: doctor_server
+-- The server, the session's settings and the clock, in one round trip.
+SELECT pg_catalog.current_setting('server_version_num')::int,
+       pg_catalog.current_setting('server_version'),
+       pg_catalog.pg_is_in_recovery(),
+       pg_catalog.pg_backend_pid(),
+       pg_catalog.current_setting('synchronous_commit'),
+       pg_catalog.current_setting('synchronous_standby_names'),
+       extract(epoch FROM pg_catalog.clock_timestamp())::float8,
+       current_user,
+       (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user)
+
+-- name: doctor_schema_installed
+-- Whether the version table exists, and whether this role may read it (the service
+-- role of sql/roles.sql may not). From the catalog: to_regclass() sees nothing in a
+-- schema the role has no USAGE on.
+SELECT c.oid IS NOT NULL,
+       c.oid IS NOT NULL AND pg_catalog.has_schema_privilege('pgcoord', 'USAGE')
+         AND pg_catalog.has_table_privilege(c.oid, 'SELECT')
+FROM (SELECT) AS one
+LEFT JOIN pg_catalog.pg_class AS c
+  ON c.relname = 'alembic_version'
+ AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = 'pgcoord')
+
+-- name: doctor_schema_version
+SELECT version_num FROM pgcoord.alembic_version
+
+-- name: doctor_capacity
+-- The lock table's size (its slots are shared by every session: max_locks_per_transaction
+-- times the server's connections and prepared transactions), the advisory locks in it
+-- now, and the connection slots: all, reserved for superusers (and, from 16, for
+-- pg_use_reserved_connections), in use.
+SELECT pg_catalog.current_setting('max_locks_per_transaction')::int
+         * (pg_catalog.current_setting('max_connections')::int
+            + pg_catalog.current_setting('max_prepared_transactions')::int),
+       (SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory'),
+       pg_catalog.current_setting('max_connections')::int,
+       pg_catalog.current_setting('superuser_reserved_connections')::int
+         + COALESCE(pg_catalog.current_setting('reserved_connections', true)::int, 0),
+       (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')
+
+-- name: doctor_standbys
+-- The standbys streaming from this server: all, those whose commits wait for them
+-- (sync_state sync or quorum), and those whose state this role may not see (a role
+-- without pg_monitor sees the rows, with NULL in their columns).
+SELECT count(*),
+       count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')),
+       count(*) FILTER (WHERE sync_state IS NULL)
+FROM pg_catalog.pg_stat_replication
+
+-- name: doctor_missing_privileges
+-- Whether role $1 exists and is a superuser (NULL: no such role), and what sql/roles.sql
+-- grants a service role that it lacks, as 'PRIVILEGE on object, ...' or NULL. Objects
+-- of revisions not installed are skipped (found in the catalog, by oid: by name, a role
+-- without USAGE on the schema would see none of them).
+WITH r AS (SELECT CAST($1 AS text) AS role)
+SELECT (SELECT rolsuper FROM pg_catalog.pg_roles, r WHERE rolname = r.role),
+       (SELECT pg_catalog.string_agg(g.privilege || ' on pgcoord' || COALESCE('.' || g.object, ''),
+                                     ', ')
+        FROM r, (VALUES
+            ('schema', NULL, 'USAGE'),
+            ('table', 'lock_names', 'SELECT'), ('table', 'lock_names', 'INSERT'),
+            ('table', 'leases', 'SELECT'), ('table', 'leases', 'INSERT'),
+            ('table', 'leases', 'UPDATE'),
+            ('table', 'jobs', 'SELECT'), ('table', 'jobs', 'INSERT'), ('table', 'jobs', 'UPDATE'),
+            ('table', 'job_slots', 'SELECT'), ('table', 'job_slots', 'INSERT'),
+            ('table', 'job_slots', 'UPDATE'), ('table', 'job_slots', 'DELETE'),
+            ('table', 'holders', 'SELECT'),
+            ('table', 'member_sessions', 'SELECT'), ('table', 'member_sessions', 'INSERT'),
+            ('table', 'member_sessions', 'UPDATE'), ('table', 'member_sessions', 'DELETE'),
+            ('sequence', 'member_ids', 'USAGE'),
+            ('table', 'members', 'SELECT')
+        ) AS g(kind, object, privilege)
+        LEFT JOIN pg_catalog.pg_class AS c
+          ON c.relname = g.object
+         AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = 'pgcoord')
+        WHERE EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.role)
+          AND CASE g.kind
+            WHEN 'schema' THEN NOT pg_catalog.has_schema_privilege(r.role, 'pgcoord', g.privilege)
+            WHEN 'sequence' THEN c.oid IS NOT NULL
+                AND NOT pg_catalog.has_sequence_privilege(r.role, c.oid, g.privilege)
+            ELSE c.oid IS NOT NULL AND NOT pg_catalog.has_table_privilege(r.role, c.oid, g.privilege)
+          END)

@@ -1,0 +1,178 @@
+"""``pgcoord doctor`` against servers set up to pass, and to fail, each check.
+
+The replication checks run against a real primary and standby in test_ha.py
+(synchronous: pass) and test_ha_async.py (asynchronous: warn; a standby: fail).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import pgcoord.migrations
+from pgcoord._embedded import EmbeddedServer
+from pgcoord._resources import read_sql
+from pgcoord.cli import main
+from pgcoord.doctor import Check, run_checks
+
+from .pgbouncer import PgBouncer
+
+SYNC_ON = "options=-csynchronous_commit%3Don"
+
+
+def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Check]]:
+    """Run the command as a user would (--json); its exit status and checks by name."""
+    code = main(["doctor", "--json", *args])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == code
+    return code, {c["name"]: Check(**c) for c in doc["checks"]}
+
+
+def statuses(checks: dict[str, Check]) -> dict[str, str]:
+    return {name: c.status for name, c in checks.items()}
+
+
+def test_a_healthy_database_passes_every_check(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, checks = doctor(capsys, "--dsn", f"{dsn}?{SYNC_ON}")
+    assert set(statuses(checks).values()) == {"pass"}, checks
+    assert code == 0
+    assert set(checks) == {"connect", "server_version", "schema", "privileges", "lock_headroom",
+                           "connections", "replication", "synchronous_commit", "clock_skew", "pooler"}
+    # The table form says the same.
+    assert main(["doctor", "--dsn", f"{dsn}?{SYNC_ON}"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+
+
+def test_synchronous_commit_off_is_a_warning_with_its_fix(
+    dsn: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, checks = doctor(capsys, "--dsn", dsn)  # the test server runs with it off
+    assert code == 1
+    assert checks["synchronous_commit"].status == "warn"
+    assert "synchronous_commit = on" in checks["synchronous_commit"].fix
+    assert main(["doctor", "--dsn", dsn]) == 1
+    out = capsys.readouterr().out
+    assert "WARN  synchronous_commit" in out and "fix: ALTER ROLE" in out
+
+
+def test_a_database_without_the_schema_fails(fresh_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, checks = doctor(capsys, "--dsn", fresh_db)
+    assert code == 2
+    assert checks["schema"].status == "fail" and "pgcoord migrate" in checks["schema"].fix
+
+
+def test_a_schema_behind_head_fails(fresh_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    pgcoord.migrations.upgrade(fresh_db, "0001")
+    code, checks = doctor(capsys, "--dsn", fresh_db)
+    assert code == 2
+    assert checks["schema"].status == "fail"
+    assert "at revision 0001" in checks["schema"].detail
+
+
+def test_an_unreachable_database_is_a_failure_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, checks = doctor(capsys, "--dsn", "postgresql://postgres@127.0.0.1:1/nowhere")
+    assert code == 2 and statuses(checks) == {"connect": "fail"}
+
+
+@pytest.fixture
+def bare_role(fresh_db: str) -> Iterator[tuple[str, str]]:
+    """A login role with no grant at all, in a database with the schema; (role, its DSN)."""
+    pgcoord.migrations.upgrade(fresh_db)
+    role = f"doctor_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {role} login")
+    try:
+        yield role, fresh_db.replace("postgres@", f"{role}@")
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity where usename = '{role}'")
+            admin.execute(f"drop owned by {role}; drop role {role}")
+
+
+def test_a_role_without_grants_fails_until_roles_sql_grants_them(
+    fresh_db: str, bare_role: tuple[str, str], capsys: pytest.CaptureFixture[str],
+) -> None:
+    role, role_dsn = bare_role
+    code, checks = doctor(capsys, "--dsn", role_dsn)
+    assert code == 2
+    assert checks["privileges"].status == "fail"
+    assert "USAGE on pgcoord" in checks["privileges"].detail
+    assert "UPDATE on pgcoord.leases" in checks["privileges"].detail
+    # An operator, as superuser, checks the service role by name.
+    _, checks = doctor(capsys, "--dsn", fresh_db, "--role", role)
+    assert checks["privileges"].status == "fail"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        service_grants = [line for line in read_sql("roles.sql").splitlines()
+                          if line.startswith("GRANT") and "pgcoord_service" in line]
+        admin.execute("\n".join(service_grants).replace("pgcoord_service", role))
+    _, checks = doctor(capsys, "--dsn", role_dsn)
+    assert checks["privileges"].status == "pass"
+    # The service role may not read the version table: said, not failed.
+    assert checks["schema"].status == "warn"
+    _, checks = doctor(capsys, "--dsn", fresh_db, "--role", "no_such_role_here")
+    assert checks["privileges"].status == "fail"
+
+
+@pytest.fixture(scope="module")
+def cramped() -> Iterator[EmbeddedServer]:
+    """Room for 12 connections (9 for non-superusers) and a lock table of 10 x 12 = 120."""
+    with EmbeddedServer({"max_connections": "12", "max_locks_per_transaction": "10",
+                         "superuser_reserved_connections": "3"}) as server:
+        pgcoord.migrations.upgrade(server.dsn)
+        yield server
+
+
+def test_a_crowded_lock_table_warns_then_fails(cramped: EmbeddedServer,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with psycopg.connect(cramped.dsn, autocommit=True) as holder:
+        holder.execute("select pg_advisory_lock(k) from generate_series(1, 70) as k")
+        _, checks = doctor(capsys, "--dsn", cramped.dsn)
+        assert checks["lock_headroom"].status == "warn", checks["lock_headroom"]
+        assert "70 advisory locks" in checks["lock_headroom"].detail
+        assert "max_locks_per_transaction" in checks["lock_headroom"].fix
+    _, checks = doctor(capsys, "--dsn", cramped.dsn)
+    assert checks["lock_headroom"].status == "pass"
+    code, checks = doctor(capsys, "--dsn", cramped.dsn, "--locks", "120")
+    assert checks["lock_headroom"].status == "fail" and code == 2
+
+
+def test_few_free_connections_warn_then_fail(cramped: EmbeddedServer,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _, checks = doctor(capsys, "--dsn", cramped.dsn)
+    assert checks["connections"].status == "pass"
+    conns = [psycopg.connect(cramped.dsn) for _ in range(7)]  # with doctor's own: 8 of 9
+    try:
+        _, checks = doctor(capsys, "--dsn", cramped.dsn)
+        assert checks["connections"].status == "warn", checks["connections"]
+        code, checks = doctor(capsys, "--dsn", cramped.dsn, "--connections", "2")
+        assert checks["connections"].status == "fail" and code == 2
+        assert "max_connections" in checks["connections"].fix
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_clock_skew_warns_then_fails(dsn: str) -> None:
+    by_name = {c.name: c for c in run_checks(dsn, clock=time.time)}
+    assert by_name["clock_skew"].status == "pass"
+    ahead = {c.name: c for c in run_checks(dsn, clock=lambda: time.time() + 5)}
+    assert ahead["clock_skew"].status == "warn" and "ahead of" in ahead["clock_skew"].detail
+    behind = {c.name: c for c in run_checks(dsn, clock=lambda: time.time() - 60)}
+    assert behind["clock_skew"].status == "fail" and "NTP" in behind["clock_skew"].fix
+
+
+def test_a_transaction_mode_pooler_is_a_warning(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+    for mode, expected in (("transaction", "warn"), ("session", "pass")):
+        bouncer = PgBouncer(server_port, pool_mode=mode)
+        try:
+            _, checks = doctor(capsys, "--dsn", bouncer.dsn(dsn))
+        finally:
+            bouncer.stop()
+        assert checks["pooler"].status == expected, (mode, checks["pooler"])
+        assert "pooler" in checks["pooler"].detail
