@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dsn", default=None,
                       help="use this database instead of starting a throwaway server")
     demo.set_defaults(func=cmd_demo)
+
+    from ._clijobs import add_parser as add_jobs_parser
+
+    add_jobs_parser(sub, [debug], _default_dsn(), _exit_codes_epilog())
     return parser
 
 

@@ -17,6 +17,9 @@ log = logging.getLogger("pgcoord.metrics")
 __all__ = [
     "busy",
     "fence_rejected",
+    "job_failing",
+    "job_recovered",
+    "jobs_failing",
     "leadership",
     "lock_lost",
     "lock_wait",
@@ -49,6 +52,10 @@ def _prometheus() -> dict[str, Any] | None:
         "busy": prom.Counter("pgcoord_lock_busy", "wait=False attempts that found the lock held",
                              ["name"]),
         "lost": prom.Counter("pgcoord_locks_lost", "Locks and leases lost while held", ["name"]),
+        # By handler, not by schedule: schedules added at run time (one per
+        # tenant) would make the label set unbounded.
+        "jobs_failing": prom.Gauge("pgcoord_jobs_failing", "Schedules run by this replica with "
+                                   "no success in their last K expected slots", ["handler"]),
     }
 
 
@@ -116,3 +123,17 @@ def lock_lost(name: str, reason: str) -> None:
     _emit("lock_lost", name, logging.INFO, reason=reason)
     if (prom := _prometheus()) is not None:
         prom["lost"].labels(name).inc()
+
+
+def job_failing(name: str, handler: str, expected: int) -> None:
+    """Schedule ``name`` had no success in its last ``expected`` slots (logged once per spell)."""
+    _emit("job_failing", name, logging.WARNING, handler=handler, expected_slots=expected)
+
+
+def job_recovered(name: str, handler: str) -> None:
+    _emit("job_recovered", name, logging.INFO, handler=handler)
+
+
+def jobs_failing(handler: str, count: int) -> None:
+    if _prometheus() is not None:
+        _child("jobs_failing", handler).set(count)

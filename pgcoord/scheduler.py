@@ -27,7 +27,9 @@ back-off; it never ends ``run()``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import json
 import logging
 import os
 import random
@@ -35,21 +37,22 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-from cronsim import CronSim, CronSimError
 
 from . import metrics
+from . import schedules as _schedules
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
+from ._cron import Handler, Job, check_expr, check_zone, seconds, slots_between
 from ._drivers import check_source, run_statement
 from ._drivers.capacity import pool_capacity
+from ._jobalerts import FailingWatch
 from ._keys import lock_key
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from .leases import trust_margin
 from .locks import exclusive
+from .schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
 
 if TYPE_CHECKING:
     from .member import Member
@@ -59,15 +62,13 @@ __all__ = ["Scheduler", "Slot", "pool_capacity"]
 log = logging.getLogger("pgcoord.scheduler")
 
 UTC = dt.UTC
-CATCH_UP = ("latest", "none", "all")
-ON_CRASH = ("skip", "retry")
-# Slots are worked out and marked in batches of at most this many. With
-# catch_up="all" a longer backlog (a per-second job after a long outage) is
-# run over the next ticks; with "latest" and "none" every batch is decided in
-# the same tick, so that what runs is the latest slot, not the latest of the
-# first batch.
-MAX_SLOTS_PER_TICK = 2000
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
+ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
+# Entries per schedule_decide statement: a tick that finds more due (10,000
+# schedules on the same minute) sends several, each bounded in time.
+DECIDE_BATCH = 5000
+_TINY = dt.timedelta(microseconds=1)
+BACKFILL_MAX = 10_000  # slots per backfill() call
 # After a failed tick (the database gone, a terminated session) the loop waits
 # this long, doubling per failure up to BACKOFF_MAX, with jitter, and goes on.
 BACKOFF_FIRST = 0.1
@@ -89,6 +90,8 @@ class Slot:
     manual: bool = False
     #: A connection in the run's transaction (``transactional=True`` jobs only).
     conn: Any = None
+    #: The schedule's JSON arguments (``add(..., args=...)``); ``{}`` for none.
+    args: Any = None
 
     def __post_init__(self) -> None:
         if self.at.tzinfo is None or self.at.utcoffset() is None:
@@ -103,85 +106,6 @@ class Slot:
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
-
-
-@dataclass
-class Job:
-    name: str
-    expr: str
-    tz: ZoneInfo
-    fn: JobFn
-    on_crash: str
-    max_attempts: int
-    catch_up: str
-    deadline: float | None
-    transactional: bool
-    allow_overlap: bool
-    jitter: float
-    claim_ttl: float
-    keep: float
-    registered_at: dt.datetime | None = None
-    last_prune: float = field(default=0.0)
-    last_recover: float = field(default=0.0)
-
-    def slots_after(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
-        """Scheduled instants in (after, until], in UTC, at most MAX_SLOTS_PER_TICK."""
-        found: list[dt.datetime] = []
-        for local in CronSim(self.expr, after.astimezone(self.tz)):
-            at = local.astimezone(UTC)
-            if at > until or len(found) >= MAX_SLOTS_PER_TICK:
-                break
-            if at > after:
-                found.append(at)
-        return found
-
-    def next_after(self, after: dt.datetime) -> dt.datetime:
-        for local in CronSim(self.expr, after.astimezone(self.tz)):
-            at = local.astimezone(UTC)
-            if at > after:
-                return at
-        raise ValueError(f"{self.expr!r} never fires")
-
-    def plan(self, due: list[dt.datetime], now: dt.datetime, *, final: bool,
-             ) -> tuple[list[dt.datetime], dict[str, list[dt.datetime]]]:
-        """Which of ``due`` to run and which to mark missed (by reason). ``final`` is
-        False for a full batch that later slots follow: with catch_up="latest" none
-        of it runs."""
-        run: list[dt.datetime] = []
-        missed: dict[str, list[dt.datetime]] = {}
-        grace = self.deadline
-        if self.catch_up == "all":
-            for at in due:
-                if grace is not None and (now - at).total_seconds() > grace:
-                    missed.setdefault("deadline", []).append(at)
-                else:
-                    run.append(at)
-        elif self.catch_up == "latest":
-            if not final:
-                return run, {"catch_up=latest": list(due)}
-            *older, latest = due
-            if older:
-                missed["catch_up=latest"] = older
-            if grace is not None and (now - latest).total_seconds() > grace:
-                missed.setdefault("deadline", []).append(latest)
-            else:
-                run.append(latest)
-        else:  # none: only a slot that is due right now
-            grace = 2.0 if grace is None else grace
-            for at in due:
-                if (now - at).total_seconds() > grace:
-                    missed.setdefault("catch_up=none", []).append(at)
-                else:
-                    run.append(at)
-        return run, missed
-
-
-def _seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float = 0.0) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ValueError(f"{what} must be a number of seconds >= {minimum}, got {value!r}")
-    return float(value)
 
 
 def _backoff(failures: int) -> float:
@@ -236,22 +160,38 @@ class _Run:
 
 
 class Scheduler:
-    """Run-once cron across every replica that runs the same code; see DESIGN §4."""
+    """Run-once cron across every replica that runs the same code; see DESIGN §4 and §9.
+
+    Schedules are rows of ``pgcoord.schedules``: those declared in code with
+    ``@sched.cron`` (written at ``run()``'s start) and those added at run time
+    with ``add()``, which name a handler registered here with ``@sched.job``. A
+    replica runs only the schedules whose function it has; the others it leaves
+    to replicas that have it. Changes reach a running replica at its next tick
+    (at most ``tick`` seconds: each tick reads a change counter), and at once
+    with a ``member=`` (NOTIFY on channel ``pgcoord_schedules``).
+    """
 
     def __init__(
         self, source: Any, *, runner: str | None = None, tick: float = 1.0,
-        member: Member | None = None,
+        member: Member | None = None, alert_after: int = 3,
     ) -> None:
         check_source(source, need_async=True, background="Scheduler")
         _refuse_shared_connection(source)
         if member is not None and runner is not None:
             raise ValueError("runner= and member= exclude each other: with a member, the runner "
                              "is named after the member")
+        if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
+            raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
         self._source = source
         self._member = member
         self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        #: The jobs declared in code with ``@cron``, by name.
         self.jobs: dict[str, Job] = {}
-        self._max_sleep = _seconds(tick, "tick", minimum=0.01) or 1.0
+        self._handlers: dict[str, Handler] = {}
+        #: Every schedule this replica runs (code and runtime), as last loaded.
+        self._specs: dict[str, Job] = {}
+        self._epoch: int | None = None  # the schedules' change counter at the last load
+        self._max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
         self._capacity = pool_capacity(source)
         # A transactional run holds a pool connection for its whole body; the
         # ticks, heartbeats and records need one more. So at most capacity - 1
@@ -265,6 +205,11 @@ class Scheduler:
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
         self._wake = asyncio.Event()
+        self._last_recover = 0.0
+        self._last_prune = 0.0
+        self._last_alert_check = time.monotonic()
+        self._alerts = FailingWatch(alert_after)
+        self._bad_rows: set[tuple[str, int]] = set()  # rows already logged as unusable
 
     @property
     def runner(self) -> str:
@@ -285,46 +230,27 @@ class Scheduler:
         self, job: str, expr: str, *, tz: str = "UTC", on_crash: str = "skip",
         max_attempts: int = 3, catch_up: str = "latest", deadline: float | None = None,
         transactional: bool = False, allow_overlap: bool = False, jitter: float = 0.0,
-        claim_ttl: float = 30.0, keep: float = 30 * 86400.0,
+        claim_ttl: float = 30.0, keep: float = 30 * 86400.0, timeout: float | None = None,
     ) -> Callable[[JobFn], JobFn]:
-        """Register ``fn`` as job ``job`` on cron ``expr`` (5 fields, or 6 with seconds first)."""
+        """Register ``fn`` as job ``job`` on cron ``expr`` (5 fields, or 6 with seconds
+        first). Its schedule is written to ``pgcoord.schedules`` when ``run()`` starts;
+        the code owns it (``update()``/``remove()`` refuse it, ``pause()`` works)."""
         if not isinstance(job, str) or not job:
             raise ValueError("job name must be a non-empty str")
         if job in self.jobs:
             raise ValueError(f"job {job!r} is already registered")
-        if not isinstance(expr, str):
-            raise ValueError("cron expression must be a str")
-        try:
-            zone = ZoneInfo(tz)
-        except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
-            raise ValueError(f"unknown time zone {tz!r}") from exc
-        if len(expr.split()) not in (5, 6):
-            raise ValueError(f"cron expression {expr!r} must have 5 fields, or 6 with seconds first")
-        try:
-            next(iter(CronSim(expr, dt.datetime.now(zone))))
-        except (CronSimError, StopIteration) as exc:
-            raise ValueError(f"bad cron expression {expr!r}: {exc}") from exc
-        if on_crash not in ON_CRASH:
-            raise ValueError(f"on_crash must be one of {ON_CRASH}, not {on_crash!r}")
-        if catch_up not in CATCH_UP:
-            raise ValueError(f"catch_up must be one of {CATCH_UP}, not {catch_up!r}")
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError("max_attempts must be an int >= 1")
-        if transactional and self._capacity is not None and self._capacity < 2:
-            raise UnsupportedConnection(
-                f"job {job!r}: a transactional job holds a pool connection for its whole run, "
-                "and the scheduler needs another meanwhile to renew the slot's claim; this pool "
-                f"lends at most {self._capacity} connection: give it max_size >= 2 "
-                "(SQLAlchemy: pool_size + max_overflow >= 2)"
-            )
+        zone = check_zone(tz)
+        check_expr(expr, zone)
+        opts = check_options(on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
+                             deadline=deadline, allow_overlap=allow_overlap, timeout=timeout)
+        handler = self._handler(job, None, transactional, jitter, claim_ttl, keep)
         spec = Job(
             name=job, expr=expr, tz=zone, fn=None,  # type: ignore[arg-type]
-            on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
-            deadline=_seconds(deadline, "deadline", allow_none=True),
-            transactional=bool(transactional), allow_overlap=bool(allow_overlap),
-            jitter=_seconds(jitter, "jitter") or 0.0,
-            claim_ttl=_seconds(claim_ttl, "claim_ttl", minimum=0.3) or 30.0,
-            keep=_seconds(keep, "keep", minimum=1.0) or 30 * 86400.0,
+            on_crash=opts["on_crash"], max_attempts=opts["max_attempts"],
+            catch_up=opts["catch_up"], deadline=opts["deadline"],
+            transactional=handler.transactional, allow_overlap=opts["allow_overlap"],
+            jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
+            timeout=opts["timeout"], handler=job,
         )
 
         def register(fn: JobFn) -> JobFn:
@@ -335,6 +261,44 @@ class Scheduler:
             return fn
 
         return register
+
+    def job(
+        self, handler: str, *, transactional: bool = False, jitter: float = 0.0,
+        claim_ttl: float = 30.0, keep: float = 30 * 86400.0,
+    ) -> Callable[[JobFn], JobFn]:
+        """Register ``fn`` as handler ``handler``, with no schedule of its own: the
+        schedules added with ``add(..., handler=handler)`` run it, on the replicas
+        that register it (and only there)."""
+        if not isinstance(handler, str) or not handler:
+            raise ValueError("handler name must be a non-empty str")
+        if handler in self._handlers:
+            raise ValueError(f"handler {handler!r} is already registered")
+        spec = self._handler(handler, None, transactional, jitter, claim_ttl, keep)
+
+        def register(fn: JobFn) -> JobFn:
+            if not asyncio.iscoroutinefunction(fn):
+                raise TypeError(f"handler {handler!r} must be an async function")
+            spec.fn = fn
+            self._handlers[handler] = spec
+            return fn
+
+        return register
+
+    def _handler(self, name: str, fn: JobFn | None, transactional: bool, jitter: float,
+                 claim_ttl: float, keep: float) -> Handler:
+        if transactional and self._capacity is not None and self._capacity < 2:
+            raise UnsupportedConnection(
+                f"job {name!r}: a transactional job holds a pool connection for its whole run, "
+                "and the scheduler needs another meanwhile to renew the slot's claim; this pool "
+                f"lends at most {self._capacity} connection: give it max_size >= 2 "
+                "(SQLAlchemy: pool_size + max_overflow >= 2)"
+            )
+        return Handler(
+            fn=fn,  # type: ignore[arg-type]
+            transactional=bool(transactional), jitter=seconds(jitter, "jitter") or 0.0,
+            claim_ttl=seconds(claim_ttl, "claim_ttl", minimum=0.3) or 30.0,
+            keep=seconds(keep, "keep", minimum=1.0) or 30 * 86400.0,
+        )
 
     def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
         """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
@@ -347,23 +311,74 @@ class Scheduler:
         return runs
 
     def _job(self, job: str) -> Job:
-        try:
-            return self.jobs[job]
-        except KeyError:
-            raise ValueError(f"no job named {job!r}") from None
+        spec = self._specs.get(job) or self.jobs.get(job)
+        if spec is None:
+            raise ValueError(f"no job named {job!r} on this replica")
+        return spec
+
+    async def _handled(self, job: str) -> Job:
+        """The schedule ``job`` as this replica runs it, loading the schedules if
+        need be (outside ``run()``); ValueError when this replica cannot run it."""
+        if job not in self._specs and job not in self.jobs:
+            await self._reload()
+        spec = self._specs.get(job) or self.jobs.get(job)
+        if spec is None:
+            raise ValueError(f"no schedule named {job!r} whose handler is registered on this replica")
+        return spec
+
+    # -- schedules at run time (DESIGN §9); usable without run() -------------------------
+
+    async def add(self, name: str, expr: str, *, handler: str, tz: str = "UTC",
+                  args: Any = None, paused: bool = False, on_crash: str = "skip",
+                  max_attempts: int = 3, catch_up: str = "latest", deadline: float | None = None,
+                  allow_overlap: bool = False,
+                  timeout: float | None = None,  # noqa: ASYNC109 (the job's bound, not this call's)
+                  ) -> ScheduleInfo:
+        """Add schedule ``name``: run handler ``handler`` on cron ``expr`` in zone ``tz``,
+        with ``args`` (JSON) as ``Slot.args``. ValueError if the name is taken."""
+        return await _schedules.add(
+            self._source, name, expr, handler=handler, tz=tz, args=args, paused=paused,
+            on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up, deadline=deadline,
+            allow_overlap=allow_overlap, timeout=timeout)
+
+    async def update(self, name: str, **changes: Any) -> ScheduleInfo:
+        """Change any option of ``add()`` (by keyword) of a schedule added at run time.
+        A new expr or tz counts slots afresh from now; the old expression's slots
+        due before now that no replica recorded yet are recorded missed ('changed')."""
+        return await _schedules.update(self._source, name, **changes)
+
+    async def pause(self, name: str) -> None:
+        """Pause ``name``: its slots from now on are recorded skipped, reason 'paused'."""
+        await _schedules.pause(self._source, name)
+
+    async def resume(self, name: str, *, catch_up: str = "none") -> None:
+        """Resume ``name``. ``catch_up="latest"`` runs it once now if a slot was skipped
+        while it was paused; ``"none"`` leaves those slots skipped."""
+        await _schedules.resume(self._source, name, catch_up=catch_up)
+
+    async def remove(self, name: str) -> None:
+        """Remove schedule ``name`` (added at run time). A run in progress finishes and
+        is recorded; no further slot starts. Its job_slots rows stay."""
+        await _schedules.remove(self._source, name)
+
+    async def schedules(self) -> list[ScheduleInfo]:
+        """Every schedule, with its latest run and next slot."""
+        return await _schedules.list_all(self._source)
 
     # -- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Run every registered job's due slots, on this replica, until ``stop()``."""
-        if not self.jobs:
-            raise ValueError("no jobs registered: decorate functions with @scheduler.cron(...)")
+        """Run every due slot of the schedules this replica has handlers for, until ``stop()``."""
+        if not self.jobs and not self._handlers:
+            raise ValueError("no jobs registered: decorate functions with @scheduler.cron(...) "
+                             "or @scheduler.job(...)")
         if self._run_task is not None:
             raise RuntimeError("this Scheduler is already running")
         self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
         unhook = self._hook_member()
         try:
             await self._register()
+            await self._listen()
             failures = 0
             while not self._draining:
                 self._wake.clear()
@@ -417,14 +432,32 @@ class Scheduler:
 
         unhook_left = member.on_member_left(on_left)
         unhook_lost = member.on_session_lost(on_session_lost)
+        self._unlisten: Callable[[], None] = lambda: None
 
         def unhook() -> None:
             unhook_left()
             unhook_lost()
+            self._unlisten()
             for task in tasks:
                 task.cancel()
 
         return unhook
+
+    async def _listen(self) -> None:
+        """With a member, hear of schedule changes at once (NOTIFY on its session);
+        without one, or behind a pooler, the tick's change counter finds them."""
+        member = self._member
+        if member is None:
+            return
+
+        def changed(_payload: str) -> None:
+            self._epoch = None  # reload on the next tick, which starts now
+            self._wake.set()
+
+        try:
+            self._unlisten = await member.listen(SCHEDULES_CHANNEL, changed)
+        except Exception as exc:  # the counter still finds every change
+            log.warning("scheduler: cannot LISTEN for schedule changes, polling only: %r", exc)
 
     async def _expire_claims_of(self, member_id: int) -> None:
         try:
@@ -435,31 +468,32 @@ class Scheduler:
         if row is not None and row[0]:
             log.warning("scheduler: member %d is gone; %d running claim(s) of it expired now",
                         member_id, row[0])
-            for spec in self.jobs.values():
-                spec.last_recover = 0.0  # look for them on this very tick
+            self._last_recover = 0.0  # look for them on this very tick
             self._wake.set()
 
     async def _register(self) -> None:
-        """Register every job, trying again (backing off) while the database is away."""
+        """Write the code's schedules, trying again (backing off) while the database is away."""
+        declared = [{"name": s.name, "expr": s.expr, "tz": s.tz.key, "on_crash": s.on_crash,
+                     "catch_up": s.catch_up, "deadline": s.deadline, "allow_overlap": s.allow_overlap,
+                     "timeout": s.timeout, "max_attempts": s.max_attempts}
+                    for s in self.jobs.values()]
         failures = 0
-        for spec in self.jobs.values():
-            while not self._draining:
-                try:
-                    row = await run_statement(self._source, query("job_register"),
-                                              (spec.name, spec.expr, spec.tz.key))
-                except SchemaMissing:
-                    raise
-                except Exception as exc:
-                    failures += 1
-                    pause = _backoff(failures)
-                    log.warning("registering job %r failed, trying again in %.2f s: %r",
-                                spec.name, pause, exc)
-                    await self._sleep(pause)
-                    continue
-                assert row is not None
-                spec.registered_at = _utc(row[0])
-                self._clock_offset = row[1].timestamp() - time.time()
-                break
+        while not self._draining:
+            try:
+                row = await run_statement(self._source, query("schedule_declare"),
+                                          (json.dumps(declared),))
+            except SchemaMissing:
+                raise
+            except Exception as exc:
+                failures += 1
+                pause = _backoff(failures)
+                log.warning("declaring the code's schedules failed, trying again in %.2f s: %r",
+                            pause, exc)
+                await self._sleep(pause)
+                continue
+            assert row is not None
+            self._clock_offset = row[0].timestamp() - time.time()
+            return
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, or less if ``stop()`` or a finished run wakes the loop."""
@@ -489,107 +523,229 @@ class Scheduler:
     def _db_now(self) -> float:
         return time.time() + self._clock_offset
 
-    async def tick(self) -> float:
-        """One pass over every job; returns when (database epoch seconds) to look again.
-        A job whose pass fails is logged and looked at again next tick."""
-        names = list(self.jobs)
-        row = await run_statement(self._source, query("job_state"), (names,))
+    async def _reload(self) -> None:
+        """Load every schedule this replica has a handler for; keep what was decided
+        of those whose version did not change."""
+        row = await run_statement(self._source, query("schedule_load"),
+                                  (list(self._handlers), list(self.jobs)))
         assert row is not None
-        now, lasts = _utc(row[0]), row[1]
+        epoch, now = int(row[0]), _utc(row[1])
+        columns = row[2:]
+        specs: dict[str, Job] = {}
+        if columns[0] is not None:
+            for values in zip(*columns, strict=True):
+                spec = self._spec_from_row(values, now)
+                if spec is not None:
+                    specs[spec.name] = spec
+        self._specs, self._epoch = specs, epoch
+
+    def _spec_from_row(self, values: tuple[Any, ...], now: dt.datetime) -> Job | None:
+        (name, handler_name, expr, tz, args, paused, on_crash, catch_up, deadline, allow_overlap,
+         timeout, max_attempts, in_code, since, paused_at, resumed_at, version, last) = values
+        version = int(version)
+        old = self._specs.get(name)
+        if old is not None and old.version == version:
+            return old
+        handler: Handler | Job | None = self.jobs.get(name) if in_code else self._handlers.get(handler_name)
+        if handler is None:
+            return None
+        try:
+            zone = check_zone(tz)
+            check_expr(expr, zone)
+        except ValueError as exc:  # written by hand in SQL, perhaps: run nothing of it
+            if (name, version) not in self._bad_rows:
+                self._bad_rows.add((name, version))
+                log.error("schedule %r (version %d) cannot run: %s", name, version, exc)
+            return None
+        since = _utc(since)
+        spec = Job(
+            name=name, expr=expr, tz=zone, fn=handler.fn, on_crash=on_crash,
+            max_attempts=int(max_attempts), catch_up=catch_up,
+            deadline=None if deadline is None else float(deadline),
+            transactional=handler.transactional, allow_overlap=bool(allow_overlap),
+            jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
+            registered_at=since, timeout=None if timeout is None else float(timeout),
+            handler=handler_name, args=json.loads(args), version=version, paused=bool(paused),
+            paused_at=None if paused_at is None else _utc(paused_at),
+            resumed_at=None if resumed_at is None else _utc(resumed_at), in_code=bool(in_code),
+        )
+        decided = [since] + ([] if last is None else [_utc(last)])
+        if old is not None and old.after is not None:
+            decided.append(old.after)
+        spec.after = max(decided)
+        spec.next_due = spec.next_after(spec.after)
+        return spec
+
+    async def tick(self) -> float:
+        """One pass over every schedule; returns when (database epoch seconds) to look
+        again. Every due schedule is decided in one statement."""
+        row = await run_statement(self._source, query("schedule_tick"), ())
+        assert row is not None
+        now, epoch, owed = _utc(row[0]), int(row[1]), row[2] or []
         self._clock_offset = now.timestamp() - time.time()
+        if epoch != self._epoch:
+            await self._reload()
+        due = [s for s in self._specs.values() if s.next_due is not None and s.next_due <= now]
+        plain = [s for s in due if not s.jitter]
+        jittered = [s for s in due if s.jitter]
+        await asyncio.gather(self._decide(plain, now),
+                             *(self._decide_jittered(s) for s in jittered))
+        if owed:
+            await self._take_owed([self._specs[n] for n in owed if n in self._specs])
+        await self._housekeeping()
         wake: float = now.timestamp() + self._max_sleep
-        # Jobs are independent: decide them side by side (as many at once as
-        # the pool lends connections), so the hundredth job is not a hundred
-        # round trips late.
-        await asyncio.gather(*(self._tick_job(self.jobs[name], now, None if last is None else _utc(last))
-                               for name, last in zip(names, lasts, strict=True)))
-        for name in names:
-            wake = min(wake, self.jobs[name].next_after(now).timestamp())
+        for spec in self._specs.values():
+            if spec.next_due is not None:
+                wake = min(wake, spec.next_due.timestamp())
         return wake
 
-    async def _tick_job(self, spec: Job, now: dt.datetime, last: dt.datetime | None) -> None:
-        try:
-            await self._decide(spec, now, last)
-            # Expired claims are looked for a few times per claim_ttl, not every tick.
-            if time.monotonic() - spec.last_recover >= spec.claim_ttl / 3:
-                spec.last_recover = time.monotonic()
-                await self._recover(spec)
-            if time.monotonic() - spec.last_prune > PRUNE_EVERY:
-                spec.last_prune = time.monotonic()
-                await self.prune(spec.name)
-        except Exception as exc:
-            log.warning("job %r: scheduling pass failed, trying again next tick: %r", spec.name, exc)
+    async def _decide_jittered(self, spec: Job) -> None:
+        await asyncio.sleep(random.uniform(0, spec.jitter))
+        await self._decide([spec], dt.datetime.fromtimestamp(self._db_now(), UTC))
 
-    async def _decide(self, spec: Job, now: dt.datetime, last: dt.datetime | None) -> None:
-        assert spec.registered_at is not None
-        after = max(last, spec.registered_at) if last is not None else spec.registered_at
-        # With catch_up="all" a backlog runs one slot after another: a slot due
-        # while another runs waits for a later tick instead of being skipped.
-        on_overlap = ("run" if spec.allow_overlap
-                      else "wait" if spec.catch_up == "all" else "skip")
-        while True:
-            due = spec.slots_after(after, now)
-            if not due:
-                return
-            final = (spec.catch_up == "all" or len(due) < MAX_SLOTS_PER_TICK
-                     or spec.next_after(due[-1]) > now)
-            run, missed = spec.plan(due, now, final=final)
-            for reason, slots in missed.items():
-                await run_statement(self._source, query("job_mark_missed"), (spec.name, slots, reason))
-            for at in run:
-                if not await self._claim(spec, at, on_overlap):
-                    return
-            if final:
-                return
-            after = due[-1]
-
-    async def _claim(self, spec: Job, at: dt.datetime, on_overlap: str) -> bool:
-        """Try to claim slot ``at``; False when the job must wait for a later tick."""
-        if spec.jitter:
-            await asyncio.sleep(random.uniform(0, spec.jitter))
+    async def _decide(self, specs: list[Job], now: dt.datetime) -> None:
+        """Decide the due slots of ``specs`` in one statement: claim those to run,
+        record the others missed or skipped; start what this replica claimed."""
+        if not specs:
+            return
         try:
             runner = self.runner
         except _NotJoined:
-            return False  # the member is (re)joining: claim nothing until it has
-        sent = time.monotonic()
-        claim = await run_statement(self._source, query("job_claim"),
-                                    (spec.name, at, runner, int(spec.claim_ttl * 1000), on_overlap))
-        if claim is None:
-            return True  # another replica has it
-        state, attempt = claim
-        if state == "waiting":
-            return False
-        if state == "running":
-            self._start(spec, Slot(spec.name, at, int(attempt)), sent, runner)
-            return on_overlap != "wait"
-        log.info("job %r slot %s skipped: the previous run is still going", spec.name, at)
-        return True
+            return  # the member is (re)joining: claim nothing until it has
+        entries: list[tuple[str, dt.datetime, int, str, str | None, str, int]] = []
+        decided: dict[str, dt.datetime] = {}
+        for spec in specs:
+            todo, last = spec.decide(now)
+            on_overlap = ("run" if spec.allow_overlap
+                          else "wait" if spec.catch_up == "all" else "skip")
+            if on_overlap == "wait":
+                # A backlog runs one slot after another: the second run of this
+                # batch would only wait, so it and what follows wait for a later tick.
+                runs = [at for at, act, _ in todo if act == "run"]
+                if len(runs) > 1:
+                    todo = [t for t in todo if t[0] < runs[1]]
+                    last = runs[1] - _TINY
+            ms = int(spec.claim_ttl * 1000)
+            entries.extend((spec.name, at, spec.version, act, reason, on_overlap, ms)
+                           for at, act, reason in todo)
+            decided[spec.name] = last
+        by_name = {spec.name: spec for spec in specs}
+        waiting: dict[str, dt.datetime] = {}
+        stale: set[str] = set()
+        for chunk in range(0, len(entries), DECIDE_BATCH):
+            part = entries[chunk:chunk + DECIDE_BATCH]
+            sent = time.monotonic()
+            row = await run_statement(self._source, query("schedule_decide"), (
+                [e[0] for e in part], [e[1] for e in part], [e[2] for e in part],
+                [e[3] for e in part], [e[4] for e in part], [e[5] for e in part],
+                [e[6] for e in part], runner))
+            if row is None or row[0] is None:
+                continue
+            for job, at, state, attempt in zip(*row, strict=True):
+                spec, at = by_name[job], _utc(at)
+                if state == "running":
+                    self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
+                elif state == "waiting":
+                    waiting[job] = min(at, waiting.get(job, at))
+                elif state == "stale":
+                    stale.add(job)
+                else:
+                    log.info("job %r slot %s skipped: the previous run is still going", job, at)
+        for spec in specs:
+            if spec.name in stale:
+                self._epoch = None  # changed under us: reload and decide again
+            elif spec.name in waiting:
+                spec.after = min(decided[spec.name], waiting[spec.name] - _TINY)
+                spec.next_due = waiting[spec.name]
+            else:
+                spec.after = max(spec.after or decided[spec.name], decided[spec.name])
+                spec.next_due = spec.next_after(spec.after)
 
-    async def _recover(self, spec: Job) -> None:
+    async def _take_owed(self, specs: list[Job]) -> None:
+        """Runs owed (a trigger from SQL or the CLI, a resume with catch_up latest)."""
+        if not specs:
+            return
         try:
             runner = self.runner
         except _NotJoined:
             return
         sent = time.monotonic()
-        row = await run_statement(self._source, query("job_recover"),
-                                  (spec.name, runner, int(spec.claim_ttl * 1000),
-                                   spec.on_crash == "retry", spec.max_attempts))
-        if row is not None:
-            at, attempt = _utc(row[0]), int(row[1])
-            log.warning("job %r slot %s: runner lost, retrying as attempt %d", spec.name, at, attempt)
-            self._start(spec, Slot(spec.name, at, attempt), sent, runner)
+        row = await run_statement(self._source, query("schedule_take_owed"), (
+            [s.name for s in specs], [int(s.claim_ttl * 1000) for s in specs], runner))
+        if row is None or row[0] is None:
+            return
+        for job, at, attempt in zip(*row, strict=True):
+            spec = self._specs[job]
+            self._start(spec, Slot(job, _utc(at), int(attempt), manual=True, args=spec.args),
+                        sent, runner)
 
-    async def prune(self, job: str, *, batch: int = 1000) -> int:
-        """Delete this job's finished rows older than its ``keep``, in batches; the count."""
-        spec = self._job(job)
+    async def _housekeeping(self) -> None:
+        """Expired claims, retention and failure alerts, each now and then; a pass
+        that fails is logged and tried again later."""
+        specs = list(self._specs.values())
+        if not specs:
+            return
+        clock = time.monotonic()
+        if clock - self._last_recover >= min(s.claim_ttl for s in specs) / 3:
+            self._last_recover = clock
+            try:
+                await self._recover(specs)
+            except Exception as exc:
+                log.warning("scheduler: looking for lost claims failed: %r", exc)
+        if clock - self._last_prune > PRUNE_EVERY:
+            self._last_prune = clock
+            try:
+                await self._prune(specs)
+            except Exception as exc:
+                log.warning("scheduler: retention pass failed: %r", exc)
+        if clock - self._last_alert_check > ALERT_EVERY:
+            self._last_alert_check = clock
+            try:
+                await self.check_failing()
+            except Exception as exc:
+                log.warning("scheduler: looking for failing jobs failed: %r", exc)
+
+    async def _recover(self, specs: list[Job]) -> None:
+        try:
+            runner = self.runner
+        except _NotJoined:
+            return
+        sent = time.monotonic()
+        row = await run_statement(self._source, query("schedule_recover"), (
+            [s.name for s in specs], [int(s.claim_ttl * 1000) for s in specs],
+            [s.on_crash == "retry" for s in specs], [s.max_attempts for s in specs], runner))
+        if row is None or row[0] is None:
+            return
+        for job, at, attempt in zip(*row, strict=True):
+            spec, at = self._specs[job], _utc(at)
+            log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
+            self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
+
+    async def _prune(self, specs: list[Job], *, batch: int = 1000) -> int:
         total = 0
         while True:
-            row = await run_statement(self._source, query("job_prune"),
-                                      (spec.name, int(spec.keep * 1000), batch))
+            row = await run_statement(self._source, query("schedule_prune"), (
+                [s.name for s in specs], [int(s.keep * 1000) for s in specs], batch))
             deleted = int(row[0]) if row else 0
             total += deleted
             if deleted < batch:
                 return total
+
+    async def prune(self, job: str, *, batch: int = 1000) -> int:
+        """Delete this job's finished rows older than its ``keep``, in batches; the count."""
+        return await self._prune([self._job(job)], batch=batch)
+
+    async def check_failing(self) -> list[str]:
+        """The schedules run here (not paused) with no success in their last
+        ``alert_after`` expected slots — failed, abandoned, missed or never run.
+        Each is logged (a warning when it starts failing, info when it recovers) and
+        counted in the gauge ``pgcoord_jobs_failing{handler}``. The loop calls this
+        every minute."""
+        row = await run_statement(self._source, query("schedule_tick"), ())
+        assert row is not None
+        now = _utc(row[0])
+        watched = [s for s in self._specs.values() if not s.paused]
+        return await self._alerts.check(self._source, watched, now)
 
     # -- running slots ---------------------------------------------------------------------
 
@@ -606,8 +762,10 @@ class Scheduler:
         self._wake.set()  # a waiting backlog may go on at once
 
     async def trigger(self, job: str) -> Slot:
-        """Run ``job`` now, on this replica, without using up a scheduled slot."""
-        spec = self._job(job)
+        """Run ``job`` now, on this replica, without using up a scheduled slot. (To have
+        any replica that has the handler run it: ``pgcoord jobs trigger NAME``, or
+        ``select pgcoord.schedule_trigger(name)``.)"""
+        spec = await self._handled(job)
         try:
             runner = self.runner
         except _NotJoined:
@@ -617,9 +775,51 @@ class Scheduler:
         row = await run_statement(self._source, query("job_claim_now"),
                                   (spec.name, runner, int(spec.claim_ttl * 1000)))
         assert row is not None
-        slot = Slot(spec.name, row[2], int(row[1]), manual=True)
+        slot = Slot(spec.name, row[2], int(row[1]), manual=True, args=spec.args)
         await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent), runner))
         return slot
+
+    async def backfill(self, job: str, start: dt.datetime, end: dt.datetime) -> list[Slot]:
+        """Run, on this replica and one after another, each slot of ``job`` in
+        [start, end] (a past range) that has no row yet; a slot that has one (run,
+        missed, skipped — here or by another backfill) keeps it. Returns the slots
+        run here."""
+        for what, value in (("start", start), ("end", end)):
+            if not isinstance(value, dt.datetime) or value.utcoffset() is None:
+                raise ValueError(f"backfill {what} must be an aware datetime, got {value!r}")
+        if start > end:
+            raise ValueError(f"backfill start {start} is after its end {end}")
+        spec = await self._handled(job)
+        now = await self._database_now()
+        if end > now:
+            raise ValueError(f"backfill end {end} is in the future (database clock {now}): "
+                             "the scheduler runs slots as they come due")
+        slots = slots_between(spec.expr, spec.tz, start.astimezone(UTC) - _TINY,
+                              end.astimezone(UTC), limit=BACKFILL_MAX + 1)
+        if len(slots) > BACKFILL_MAX:
+            raise ValueError(f"backfill of {job!r} from {start} to {end} is more than "
+                             f"{BACKFILL_MAX} slots; split the range")
+        ran: list[Slot] = []
+        for at in slots:
+            try:
+                runner = self.runner
+            except _NotJoined:
+                raise PgcoordError("the scheduler's member is not joined (its session is being "
+                                   "reconnected); backfill again shortly") from None
+            sent = time.monotonic()
+            claim = await run_statement(self._source, query("job_claim"),
+                                        (spec.name, at, runner, int(spec.claim_ttl * 1000), "run"))
+            if claim is None or claim[0] != "running":
+                continue  # the slot has its row already
+            slot = Slot(spec.name, at, int(claim[1]), args=spec.args)
+            await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent), runner))
+            ran.append(slot)
+        return ran
+
+    async def _database_now(self) -> dt.datetime:
+        row = await run_statement(self._source, query("schedule_tick"), ())
+        assert row is not None
+        return _utc(row[0])
 
     async def _execute(self, run: _Run) -> None:
         """Run a claimed slot: its body in a task of its own, beside the heartbeat
@@ -643,9 +843,9 @@ class Scheduler:
             heartbeat.add_done_callback(consume_result)
             if not body.done():  # cancelled twice while the body was stopping: leave it
                 body.add_done_callback(consume_result)
-        outcome, error = self._outcome(run, body, cancelled)
+        outcome, reason, error = self._outcome(run, body, cancelled)
         if outcome is not None:
-            await self._record(run, outcome, error)
+            await self._record(run, outcome, error, reason)
         if cancelled:
             raise asyncio.CancelledError
 
@@ -653,36 +853,40 @@ class Scheduler:
         """The job itself; True when it recorded its own success (transactional)."""
         if run.spec.transactional:
             return await self._run_transactional(run)
-        await run.spec.fn(run.slot)
+        await _call(run.spec, run.slot)
         return False
 
     def _outcome(self, run: _Run, body: asyncio.Task[bool], cancelled: bool,
-                 ) -> tuple[str | None, str | None]:
-        """What to record for a finished body: (state, error), or (None, None) for nothing."""
+                 ) -> tuple[str | None, str | None, str | None]:
+        """What to record for a finished body: (state, reason, error), or Nones for nothing."""
         spec, slot = run.spec, run.slot
         if body.cancelled():
             if run.claim.lost is not None:
                 log.warning("job %r slot %s attempt %d was cut off: %s; nothing is recorded,"
                             " the claim expires", spec.name, slot.at, slot.attempt, run.claim.lost)
-                return None, None
+                return None, None, None
             if cancelled or self._stopping:
-                return "stopped", None
-            return "failed", "CancelledError: the job was cancelled"
+                return "stopped", None, None
+            return "failed", None, "CancelledError: the job was cancelled"
         exc = body.exception()
         if isinstance(exc, _Superseded):
             log.warning("job %r slot %s attempt %d was taken over; its result is discarded",
                         spec.name, slot.at, slot.attempt)
-            return None, None
+            return None, None, None
+        if isinstance(exc, _TimedOut):
+            log.error("job %r slot %s failed: %s", spec.name, slot.at, exc)
+            return "failed", "timeout", f"TimeoutError: {exc}"
         if exc is not None:
             log.error("job %r slot %s failed", spec.name, slot.at, exc_info=exc)
-            return "failed", f"{type(exc).__name__}: {exc}"
+            return "failed", None, f"{type(exc).__name__}: {exc}"
         if body.result():
-            return None, None  # a transactional run recorded itself
+            return None, None, None  # a transactional run recorded itself
         # A body that ended normally is recorded even if the claim's window closed
         # meanwhile: job_finish only succeeds while this runner's attempt holds the slot.
-        return "succeeded", None
+        return "succeeded", None, None
 
-    async def _record(self, run: _Run, outcome: str, error: str | None) -> None:
+    async def _record(self, run: _Run, outcome: str, error: str | None,
+                      reason: str | None = None) -> None:
         """Record a run's end, bounded: a record that cannot finish in time (a row lock,
         a server that does not answer) is abandoned and the claim left to expire."""
         spec, slot = run.spec, run.slot
@@ -690,8 +894,6 @@ class Scheduler:
             if spec.on_crash == "retry":
                 return  # the claim expires and another replica retries it
             outcome, reason = "abandoned", "stopped"
-        else:
-            reason = None
         try:
             # Past the bound the statement is cancelled in its own task (which
             # cancels it on the server and gives its connection back, or
@@ -725,7 +927,7 @@ class Scheduler:
             # A numeric key: a name would add a lock_names row and a metrics
             # label per slot, without bound.
             async with exclusive(self._source, lock_key(f"pgcoord.job:{slot.key}")) as conn:
-                await spec.fn(Slot(slot.job, slot.at, slot.attempt, slot.manual, conn))
+                await _call(spec, dataclasses.replace(slot, conn=conn))
                 if run.claim.lost is not None:
                     raise _Superseded()
                 done = await fetchval_on(conn, query("job_finish"), (
@@ -802,3 +1004,21 @@ class _NotJoined(Exception):
 
 class _Superseded(Exception):
     pass
+
+
+class _TimedOut(Exception):
+    """The job ran past its schedule's ``timeout`` and was cancelled."""
+
+
+async def _call(spec: Job, slot: Slot) -> None:
+    """The job's function, cancelled past the schedule's timeout (as ``_TimedOut``)."""
+    if spec.timeout is None:
+        await spec.fn(slot)
+        return
+    try:
+        async with asyncio.timeout(spec.timeout) as bound:
+            await spec.fn(slot)
+    except TimeoutError:
+        if bound.expired():
+            raise _TimedOut(f"the job ran longer than its timeout of {spec.timeout:g} s") from None
+        raise

@@ -1,0 +1,365 @@
+"""Schedules at runtime (DESIGN §9) in one process: add, update, pause, resume,
+remove, timeout, backfill, alerts, the SQL functions and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import asyncpg
+import psycopg
+import pytest
+
+from pgcoord.scheduler import Scheduler, Slot
+
+from .conftest import sql, unique
+
+UTC = dt.UTC
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await asyncpg.create_pool(dsn, min_size=2, max_size=6)
+    yield p
+    await p.close()
+
+
+def rows(dsn: str, job: str) -> list[tuple[Any, ...]]:
+    return sql(dsn, "select slot_at, state, reason, manual from pgcoord.job_slots"
+                    " where job = %s order by slot_at", job)
+
+
+def db_now(dsn: str) -> dt.datetime:
+    value = sql(dsn, "select clock_timestamp()")[0][0]
+    assert isinstance(value, dt.datetime)
+    return value
+
+
+async def wait_for(check: Any, within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_added_schedule_runs_with_its_args_and_a_change_reaches_the_loop_within_a_second(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("greet"), unique("greet:team-42")
+    s = Scheduler(pool)
+    ran: list[Slot] = []
+
+    @s.job(handler)
+    async def greet(slot: Slot) -> None:
+        ran.append(slot)
+
+    task = asyncio.create_task(s.run())
+    try:
+        await asyncio.sleep(0.3)  # the loop runs and has loaded nothing of ours
+        added_at = db_now(dsn)
+        await s.add(name, "* * * * * *", handler=handler, args={"team": 42})
+        await wait_for(lambda: len(ran) >= 2)
+        changed = await s.update(name, args={"team": 43})
+        await wait_for(lambda: ran[-1].args == {"team": 43})
+    finally:
+        await s.stop()
+        await task
+    assert ran[0].args == {"team": 42} and ran[0].job == name
+    first = [r for r in rows(dsn, name) if not r[3]]
+    # Seen at the next tick: the first slot after the add started within a second of it.
+    assert first[0][0] <= added_at + dt.timedelta(seconds=2)
+    starts = sql(dsn, "select extract(epoch from started_at - slot_at) from pgcoord.job_slots"
+                      " where job = %s", name)
+    assert all(float(lag) < 1.0 for (lag,) in starts)
+    # The args change applied to runs after it: no slot ran twice, all succeeded.
+    assert [r[1] for r in first] == ["succeeded"] * len(first)
+    assert len({slot.at for slot in ran}) == len(ran)
+    assert changed.args == {"team": 43} and changed.version == 2
+
+
+async def test_a_new_expression_counts_afresh_and_the_old_slots_due_before_it_get_rows(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("reexpr")
+    s = Scheduler(pool)
+    s.job(handler)(_noop)
+    await s.add(name, "* * * * * *", handler=handler)
+    await asyncio.sleep(2.3)  # no replica runs: the old expression's slots are due, unrecorded
+    info = await s.update(name, expr="*/2 * * * * *")
+    changed_at = sql(dsn, "select since from pgcoord.schedules where name = %s", name)[0][0]
+    before = rows(dsn, name)
+    assert len(before) >= 2 and {(r[1], r[2]) for r in before} == {("missed", "changed")}
+    assert all(r[0] <= changed_at for r in before)
+    assert [int(r[0].timestamp()) for r in before] == list(
+        range(int(before[0][0].timestamp()), int(before[-1][0].timestamp()) + 1))
+    task = asyncio.create_task(s.run())
+    await asyncio.sleep(2.5)
+    await s.stop()
+    await task
+    after = [r for r in rows(dsn, name) if r[0] > changed_at]
+    assert after and all(int(r[0].timestamp()) % 2 == 0 for r in after)
+    assert {r[1] for r in after} == {"succeeded"}
+    assert info.expr == "*/2 * * * * *"
+
+
+async def test_paused_slots_are_recorded_skipped_and_resume_latest_runs_one_now(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("pausing")
+    s = Scheduler(pool)
+    ran: list[Slot] = []
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        ran.append(slot)
+
+    await s.add(name, "* * * * * *", handler=handler)
+    task = asyncio.create_task(s.run())
+    try:
+        await wait_for(lambda: len(ran) >= 1)
+        await s.pause(name)
+        paused_at = db_now(dsn)
+        await asyncio.sleep(2.2)
+        ran_in_pause = [r for r in ran if r.at > paused_at]
+        await s.resume(name, catch_up="latest")
+        await wait_for(lambda: any(r.manual for r in ran))
+        await asyncio.sleep(1.2)
+    finally:
+        await s.stop()
+        await task
+    assert ran_in_pause == []
+    scheduled = [r for r in rows(dsn, name) if not r[3]]
+    # Every second has a row: run before the pause, skipped in it, run after.
+    secs = [int(r[0].timestamp()) for r in scheduled]
+    assert secs == list(range(secs[0], secs[-1] + 1))
+    skipped = [r for r in scheduled if r[1] == "skipped"]
+    assert len(skipped) >= 2 and {r[2] for r in skipped} == {"paused"}
+    assert all(r[0] > paused_at for r in skipped)
+    assert [r for r in scheduled if r[0] > skipped[-1][0]], "runs went on after the resume"
+    assert len([r for r in ran if r.manual]) == 1
+
+
+async def test_a_removed_schedule_finishes_its_running_slot_and_starts_no_more(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("removed")
+    s = Scheduler(pool)
+    started = asyncio.Event()
+
+    @s.job(handler)
+    async def slow(slot: Slot) -> None:
+        started.set()
+        await asyncio.sleep(1.5)
+
+    await s.add(name, "* * * * * *", handler=handler, allow_overlap=True)
+    task = asyncio.create_task(s.run())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        await s.remove(name)
+        removed_at = db_now(dsn)
+        await asyncio.sleep(2.5)
+    finally:
+        await s.stop()
+        await task
+    found = rows(dsn, name)
+    assert found and all(r[0] <= removed_at for r in found)
+    assert "running" not in {r[1] for r in found} and "succeeded" in {r[1] for r in found}
+    assert sql(dsn, "select count(*) from pgcoord.schedules where name = %s", name) == [(0,)]
+
+
+async def test_a_job_past_its_timeout_is_cancelled_and_recorded_failed_timeout(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    plain, tx = unique("slow"), unique("slow-tx")
+    s = Scheduler(pool)
+    cancelled: list[str] = []
+    sql(dsn, "create table if not exists timeout_effects (job text)")
+
+    async def forever(slot: Slot) -> None:
+        try:
+            if slot.conn is not None:
+                await slot.conn.execute("insert into timeout_effects values ($1)", slot.job)
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(slot.job)
+            raise
+
+    s.job(plain)(forever)
+    s.job(tx, transactional=True)(forever)
+    await s.add(plain, "* * * * * *", handler=plain, timeout=0.3)
+    await s.add(tx, "* * * * * *", handler=tx, timeout=0.3)
+    task = asyncio.create_task(s.run())
+    try:
+        await wait_for(lambda: len(sql(dsn, "select 1 from pgcoord.job_slots where job in (%s, %s)"
+                                            " and state = 'failed'", plain, tx)) >= 2)
+    finally:
+        await s.stop()
+        await task
+    for job in (plain, tx):
+        failed = sql(dsn, "select reason, error from pgcoord.job_slots where job = %s"
+                          " and state = 'failed'", job)
+        assert failed and failed[0][0] == "timeout" and "0.3" in str(failed[0][1])
+        assert job in cancelled
+    assert sql(dsn, "select count(*) from timeout_effects where job = %s", tx) == [(0,)]
+
+
+async def test_backfill_runs_each_past_slot_once_across_both_dst_transitions(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("paris-nightly")
+    ran: list[dt.datetime] = []
+    a, b = Scheduler(pool, runner="a"), Scheduler(pool, runner="b")
+
+    async def work(slot: Slot) -> None:
+        ran.append(slot.at)
+        await asyncio.sleep(0.01)
+
+    a.job(handler)(work)
+    b.job(handler)(work)
+    await a.add(name, "30 2 * * *", handler=handler, tz="Europe/Paris")
+    start = dt.datetime(2026, 3, 28, tzinfo=UTC)
+    end = dt.datetime(2026, 3, 31, tzinfo=UTC)
+    # Two backfills of the same range at once: each slot runs exactly once.
+    first, second = await asyncio.gather(a.backfill(name, start, end), b.backfill(name, start, end))
+    assert sorted(ran) == sorted(s.at for s in first + second)
+    # 02:30 Paris; on 2026-03-29 02:30 does not exist and the slot runs at 03:00 CEST.
+    assert sorted(ran) == [dt.datetime(2026, 3, 28, 1, 30, tzinfo=UTC),
+                           dt.datetime(2026, 3, 29, 1, 0, tzinfo=UTC),
+                           dt.datetime(2026, 3, 30, 0, 30, tzinfo=UTC)]
+    ran.clear()
+    fall = await a.backfill(name, dt.datetime(2026, 10, 24, tzinfo=UTC),
+                            dt.datetime(2026, 10, 26, 12, tzinfo=UTC))
+    # 02:30 happens twice on 2026-10-25: it runs once, the first time (00:30 UTC).
+    assert [s.at for s in fall] == [dt.datetime(2026, 10, 24, 0, 30, tzinfo=UTC),
+                                    dt.datetime(2026, 10, 25, 0, 30, tzinfo=UTC),
+                                    dt.datetime(2026, 10, 26, 1, 30, tzinfo=UTC)]
+    assert await a.backfill(name, start, end) == []  # done already: nothing runs again
+    states = {r[1] for r in rows(dsn, name)}
+    assert states == {"succeeded"} and len(rows(dsn, name)) == 6
+    with pytest.raises(ValueError, match="future"):
+        await a.backfill(name, start, dt.datetime.now(UTC) + dt.timedelta(days=1))
+
+
+async def test_a_schedule_that_keeps_failing_is_logged_and_counted(
+        dsn: str, pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture) -> None:
+    handler, failing, fine = unique("h"), unique("failing"), unique("fine")
+    s = Scheduler(pool, alert_after=3)
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        if slot.args.get("fail"):
+            raise RuntimeError("broken")
+
+    await s.add(failing, "* * * * * *", handler=handler, args={"fail": True})
+    await s.add(fine, "* * * * * *", handler=handler)
+    task = asyncio.create_task(s.run())
+    try:
+        await asyncio.sleep(4.3)
+        with caplog.at_level(logging.WARNING, logger="pgcoord.metrics"):
+            found = await s.check_failing()
+    finally:
+        await s.stop()
+        await task
+    assert failing in found and fine not in found
+    events = [r for r in caplog.records if getattr(r, "pgcoord", {}).get("event") == "job_failing"]
+    assert [e.pgcoord["name"] for e in events] == [failing]  # type: ignore[attr-defined]
+    info = {i.name: i for i in await s.schedules()}
+    assert info[failing].failures_in_row >= 3 and info[fine].failures_in_row == 0
+    import prometheus_client
+
+    assert prometheus_client.REGISTRY.get_sample_value(
+        "pgcoord_jobs_failing", {"handler": handler}) == 1.0
+
+
+async def test_bad_input_is_refused_at_the_call(dsn: str, pool: asyncpg.Pool) -> None:
+    s = Scheduler(pool)
+    name = unique("bad")
+    with pytest.raises(ValueError, match="cron"):
+        await s.add(name, "61 * * * *", handler="h")
+    with pytest.raises(ValueError, match="time zone"):
+        await s.add(name, "* * * * *", handler="h", tz="Mars/Olympus_Mons")
+    with pytest.raises(ValueError):
+        await s.add(name, "* * * * *", handler="h", on_crash="sometimes")
+    with pytest.raises(ValueError):
+        await s.add(name, "* * * * *", handler="")
+    with pytest.raises(TypeError, match="JSON"):
+        await s.add(name, "* * * * *", handler="h", args={"when": dt.datetime.now()})
+    with pytest.raises(ValueError):
+        await s.add(name, "* * * * *", handler="h", timeout=0)
+    await s.add(name, "* * * * *", handler="h")
+    with pytest.raises(ValueError, match="exists"):
+        await s.add(name, "* * * * *", handler="h")
+    with pytest.raises(TypeError, match="unknown"):
+        await s.update(name, every="day")
+    with pytest.raises(ValueError, match="cron"):
+        await s.update(name, expr="every day")
+    with pytest.raises(ValueError, match="catch_up"):
+        await s.resume(name, catch_up="all")
+    for call in (s.pause, s.remove):
+        with pytest.raises(ValueError, match="no schedule"):
+            await call(unique("missing"))
+    with pytest.raises(ValueError, match="no schedule"):
+        await s.update(unique("missing"), expr="* * * * *")
+    code = unique("in-code")
+    s.cron(code, "0 0 1 1 *")(_noop)
+    await s._register()
+    with pytest.raises(ValueError, match="in code"):
+        await s.update(code, expr="* * * * *")
+    with pytest.raises(ValueError, match="in code"):
+        await s.remove(code)
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="in code"):
+        sql(dsn, "select pgcoord.schedule_remove(%s)", code)
+    await s.pause(code)  # pausing a code schedule is an operator's call: allowed
+    assert {i.name: i.paused for i in await s.schedules()}[code] is True
+
+
+def cli(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PGCOORD_DSN": dsn}
+    return subprocess.run([sys.executable, "-m", "pgcoord.cli", "jobs", *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+async def test_sql_functions_and_the_cli_pause_resume_trigger_and_show_history(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("cli")
+    s = Scheduler(pool)
+    ran: list[Slot] = []
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        ran.append(slot)
+
+    await s.add(name, "0 0 1 1 *", handler=handler, tz="Europe/Paris", args={"k": 1})
+    task = asyncio.create_task(s.run())
+    try:
+        out = cli(dsn, "trigger", name)
+        assert out.returncode == 0, out.stderr
+        await wait_for(lambda: len(ran) == 1)  # a running replica with the handler ran it
+        assert ran[0].manual and ran[0].args == {"k": 1}
+        assert cli(dsn, "pause", name).returncode == 0
+        assert sql(dsn, "select paused from pgcoord.schedules where name = %s", name) == [(True,)]
+        assert sql(dsn, "select pgcoord.schedule_resume(%s)", name) == [(True,)]
+        assert sql(dsn, "select pgcoord.schedule_pause(%s)", unique("missing")) == [(False,)]
+        listing = cli(dsn)
+        assert listing.returncode == 0
+        line = next(ln for ln in listing.stdout.splitlines() if ln.startswith(name))
+        assert "0 0 1 1 *" in line and "Europe/Paris" in line and "succeeded" in line
+        as_json = {i["name"]: i for i in json.loads(cli(dsn, "--json").stdout)}
+        assert as_json[name]["paused"] is False and as_json[name]["failures_in_row"] == 0
+        new_year = dt.datetime(db_now(dsn).year + 1, 1, 1, tzinfo=ZoneInfo("Europe/Paris"))
+        assert dt.datetime.fromisoformat(as_json[name]["next_run_at"]) == new_year
+        history = json.loads(cli(dsn, "history", name, "--json").stdout)
+        assert [(h["state"], h["manual"]) for h in history] == [("succeeded", True)]
+        missing = cli(dsn, "pause", unique("missing"))
+        assert missing.returncode == 2 and "no schedule" in missing.stderr
+    finally:
+        await s.stop()
+        await task
+
+
+async def _noop(slot: Slot) -> None:
+    pass

@@ -1,0 +1,95 @@
+"""Slot arithmetic for schedules with their own zone (no database): both DST
+transitions, pauses, and the plan of a tick."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from pgcoord._cron import Job, check_expr, check_zone, next_slot, previous_slots, slots_between
+
+UTC = dt.UTC
+PARIS = ZoneInfo("Europe/Paris")
+NEW_YORK = ZoneInfo("America/New_York")
+
+
+def at(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text).replace(tzinfo=UTC)
+
+
+def job(expr: str, tz: ZoneInfo = UTC, **kw: object) -> Job:
+    defaults: dict[str, object] = dict(
+        name="j", expr=expr, tz=tz, fn=None, on_crash="skip", max_attempts=3, catch_up="latest",
+        deadline=None, transactional=False, allow_overlap=False, jitter=0.0, claim_ttl=30.0,
+        keep=86400.0)
+    defaults.update(kw)
+    return Job(**defaults)  # type: ignore[arg-type]
+
+
+def test_a_time_that_occurs_twice_on_the_fall_back_night_fires_once() -> None:
+    # Paris leaves summer time on 2026-10-25 at 03:00 CEST (01:00 UTC): 02:30 happens twice.
+    slots = slots_between("30 2 * * *", PARIS, at("2026-10-24T00:00:00"), at("2026-10-26T12:00:00"))
+    assert slots == [at("2026-10-24T00:30:00"), at("2026-10-25T00:30:00"), at("2026-10-26T01:30:00")]
+
+
+def test_a_time_in_the_spring_gap_fires_at_the_first_instant_after_it() -> None:
+    # Paris enters summer time on 2026-03-29 at 02:00 CET: 02:30 does not exist that day.
+    slots = slots_between("30 2 * * *", PARIS, at("2026-03-28T00:00:00"), at("2026-03-30T12:00:00"))
+    assert slots == [at("2026-03-28T01:30:00"), at("2026-03-29T01:00:00"), at("2026-03-30T00:30:00")]
+
+
+def test_each_schedule_keeps_its_own_zone() -> None:
+    # The same expression, nine in the morning in two zones, on New York's spring-forward day.
+    start = at("2026-03-08T00:00:00")
+    assert next_slot("0 9 * * *", NEW_YORK, start) == at("2026-03-08T13:00:00")  # EDT, UTC-4
+    assert next_slot("0 9 * * *", PARIS, start) == at("2026-03-08T08:00:00")     # CET, UTC+1
+    assert next_slot("0 9 * * *", NEW_YORK, at("2026-03-07T00:00:00")) == at("2026-03-07T14:00:00")
+
+
+def test_hourly_slots_across_both_transitions_are_never_doubled_or_lost() -> None:
+    for start, end in (("2026-03-29T00:00:00", "2026-03-29T04:00:00"),
+                       ("2026-10-25T00:00:00", "2026-10-25T04:00:00")):
+        slots = slots_between("0 * * * *", PARIS, at(start), at(end))
+        assert slots == sorted(set(slots))
+        gaps = {b - a for a, b in itertools.pairwise(slots)}
+        assert gaps == {dt.timedelta(hours=1)}
+
+
+def test_previous_slots_are_latest_first_and_include_now() -> None:
+    assert previous_slots("*/10 * * * *", UTC, at("2026-11-30T10:20:00"), 3) == [
+        at("2026-11-30T10:20:00"), at("2026-11-30T10:10:00"), at("2026-11-30T10:00:00")]
+
+
+def test_paused_slots_are_skipped_and_the_rest_follow_catch_up() -> None:
+    spec = job("* * * * * *", paused=True, paused_at=at("2026-01-01T00:00:02.500000"))
+    spec.after = at("2026-01-01T00:00:00")
+    todo, last = spec.decide(at("2026-01-01T00:00:05"))
+    assert last == at("2026-01-01T00:00:05")
+    assert sorted(todo) == [
+        (at("2026-01-01T00:00:01"), "missed", "catch_up=latest"),
+        (at("2026-01-01T00:00:02"), "run", None),
+        (at("2026-01-01T00:00:03"), "skipped", "paused"), (at("2026-01-01T00:00:04"), "skipped", "paused"),
+        (at("2026-01-01T00:00:05"), "skipped", "paused"),
+    ]
+    # Resumed at 4.5 s: slots of the pause stay skipped, later ones run again.
+    spec.paused, spec.resumed_at = False, at("2026-01-01T00:00:04.500000")
+    spec.after = at("2026-01-01T00:00:02")
+    todo, _ = spec.decide(at("2026-01-01T00:00:05"))
+    assert sorted(todo) == [(at("2026-01-01T00:00:03"), "skipped", "paused"),
+                            (at("2026-01-01T00:00:04"), "skipped", "paused"),
+                            (at("2026-01-01T00:00:05"), "run", None)]
+
+
+def test_bad_definitions_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="time zone"):
+        check_zone("Mars/Olympus_Mons")
+    with pytest.raises(ValueError, match="time zone"):
+        check_zone(42)
+    for expr in ("61 * * * *", "* * *", "every day"):
+        with pytest.raises(ValueError):
+            check_expr(expr, UTC)
+    with pytest.raises(ValueError):
+        check_expr(None, UTC)
