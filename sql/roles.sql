@@ -18,10 +18,17 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.member_sessions TO pgcoord_servi
 GRANT USAGE ON SEQUENCE pgcoord.member_ids TO pgcoord_service;
 GRANT SELECT ON pgcoord.members TO pgcoord_service;
 -- check_fence() locks the lease row FOR SHARE, which needs UPDATE (granted above).
+-- Schedules at runtime: add, change, pause and remove them; the triggers bump the
+-- change counter; runs owed (trigger, resume) are taken by the replica that runs them.
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedules TO pgcoord_service;
+GRANT SELECT, INSERT, DELETE ON pgcoord.schedule_owed TO pgcoord_service;
+GRANT SELECT, UPDATE ON pgcoord.schedule_epoch TO pgcoord_service;
 
 -- Operators: read who holds what, nothing else. pg_read_all_stats lets them see
 -- other roles' application_name and client_addr in the view.
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_operator;
 GRANT SELECT ON pgcoord.holders TO pgcoord_operator;
 GRANT SELECT ON pgcoord.members TO pgcoord_operator;
+-- `pgcoord jobs` and `pgcoord jobs history` read these; pause/resume/trigger need the service role.
+GRANT SELECT ON pgcoord.schedules, pgcoord.job_slots TO pgcoord_operator;
 GRANT pg_read_all_stats TO pgcoord_operator;

@@ -136,6 +136,10 @@ def test_least_privilege_roles(pg_server: Server, fresh_db: str) -> None:
             ops.rollback()
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 ops.execute("select pgcoord.lease_acquire('x', 'ops', 1000, null)")
+            ops.rollback()
+            ops.execute("select * from pgcoord.schedules, pgcoord.job_slots").fetchall()  # pgcoord jobs
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ops.execute("select pgcoord.schedule_trigger('roles:job')")
     finally:
         with psycopg.connect(fresh_db, autocommit=True) as admin:
             admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
@@ -162,6 +166,7 @@ async def _as_service(dsn: str) -> None:
         await sched.trigger("roles:job")
         await sched.prune("roles:job")
         assert ran
+        await _schedules_as_service(pool)
         async with pgcoord.LockHolder(dsn) as holder, holder.lock("roles:session"):
             pass
         # A member, and every feature on it.
@@ -185,6 +190,26 @@ async def _as_service(dsn: str) -> None:
             assert [p.name for p in await member.peers()] == [member.name]
     finally:
         await pool.close()
+
+
+async def _schedules_as_service(pool: asyncpg.Pool) -> None:
+    """Schedules at runtime (0006): add, change, run a tick, pause, resume, remove."""
+    sched = pgcoord.Scheduler(pool)
+    ran = []
+
+    @sched.job("roles:handler")
+    async def handler(slot: pgcoord.Slot) -> None:
+        ran.append(slot)
+
+    await sched.add("roles:schedule", "0 0 1 1 *", handler="roles:handler")
+    await sched.update("roles:schedule", expr="0 0 2 1 *", args={"x": 1})
+    await sched.pause("roles:schedule")
+    await sched.resume("roles:schedule", catch_up="latest")
+    await sched.trigger("roles:schedule")
+    assert ran and ran[0].args == {"x": 1}
+    await sched.tick()
+    assert [i.name for i in await sched.schedules()] == ["roles:schedule"]
+    await sched.remove("roles:schedule")
 
 
 async def test_lock_metrics_count_waits_busy_results_and_losses(dsn: str) -> None:
