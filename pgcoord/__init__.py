@@ -24,6 +24,7 @@ from .locks import ExclusiveLock, exclusive
 from .member import Member, MemberInfo, MemberJoined, MemberLeft
 from .partitions import Partition, Partitions
 from .scheduler import Scheduler, Slot
+from .semaphores import Semaphore, semaphore
 from .session import HeldLock, LockHolder
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "PoolExhausted",
     "Scheduler",
     "SchemaMissing",
+    "Semaphore",
     "Slot",
     "StaleFence",
     "UnsupportedConnection",
@@ -59,4 +61,5 @@ __all__ = [
     "exclusive",
     "lock_key",
     "request_resign",
+    "semaphore",
 ]

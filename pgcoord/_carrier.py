@@ -23,6 +23,7 @@ from .errors import LockLost, PgcoordError
 from .locks import LockRequest
 
 if TYPE_CHECKING:
+    from ._holdersemaphore import HeldSemaphore
     from .session import HeldLock, LockHolder
 
 log = logging.getLogger("pgcoord.session")
@@ -40,6 +41,11 @@ _TRY_AFTER_UNLOCK = {
 _UNLOCKS = query("holder_unlocks")
 _PROBE = query("holder_probe")
 _GIVE_BACK = query("holder_give_back")
+
+def _is_lane(held: object) -> bool:
+    """Whether a holding is a semaphore's lane (a two-int lock) rather than a key."""
+    return hasattr(held, "lane")
+
 
 # SQLSTATE query_canceled: a statement stopped part way, its effects unknown.
 _QUERY_CANCELED = "57014"
@@ -65,7 +71,7 @@ class Carrier:
         self.saved = saved  # settings to put back before the connection goes back
         self.lost_reason: str | None = None
         self.retired = False
-        self.holding: dict[HeldLock, asyncio.Task[Any]] = {}
+        self.holding: dict[HeldLock | HeldSemaphore, asyncio.Task[Any]] = {}
         self._io = asyncio.Lock()
         # Who runs the statement in flight under _io: "user", "probe", "cleanup".
         self._io_owner: str | None = None
@@ -122,6 +128,21 @@ class Carrier:
             self._io_owner = "user"
             try:
                 await self.conn.execute_blocking(statement)
+            except BaseException as exc:
+                if not self.lost and _errmap.session_gone(exc):
+                    self.mark_lost(f"{type(exc).__name__}: {exc}")
+                raise
+
+    async def call(self, sql: str, *args: Any) -> Any:
+        """One statement of another session-level feature on this connection (a
+        semaphore's try or release), after the unlocks not yet sent; its first value."""
+        self._check_usable()
+        async with self._io:
+            self._check_usable()
+            self._io_owner = "user"
+            try:
+                await self._send_unlocks()
+                return await self.conn.fetchval(sql, *args)
             except BaseException as exc:
                 if not self.lost and _errmap.session_gone(exc):
                     self.mark_lost(f"{type(exc).__name__}: {exc}")
@@ -280,7 +301,10 @@ class Carrier:
                 for key in self._unlock_shared:
                     owned[(key, True)] += 1
                 for held in self.holding:
-                    owned[(held.request.key, held.request.shared)] += 1
+                    if _is_lane(held):  # two-int, released its own way
+                        held.release_on_shared_session()  # type: ignore[union-attr]
+                    else:
+                        owned[(held.request.key, held.request.shared)] += 1  # type: ignore[union-attr]
         self._unlock_exclusive, self._unlock_shared = [], []
         log.warning("pgcoord LockHolder session (pid %s) lost: %s; %d lock(s) lost",
                     self.conn.backend_pid, reason, len(self.holding))
@@ -356,8 +380,13 @@ class Carrier:
             async with self._io:
                 self._io_owner = "cleanup"
                 await self._send_unlocks()
-                keys = [(held.request.key, held.request.shared) for held in self.holding]
+                keys = [(held.request.key, held.request.shared)  # type: ignore[union-attr]
+                        for held in self.holding if not _is_lane(held)]
                 await self._undo(keys)
+                for held in self.holding:
+                    if _is_lane(held):
+                        await self.conn.fetchval(query("semaphore_release"), held.request.key,
+                                                 held.lane)  # type: ignore[union-attr]
         finally:
             self.conn.terminate()
             self._discarded = True

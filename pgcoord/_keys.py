@@ -43,3 +43,21 @@ def _hash_name(name: str) -> int:
 def key_and_name(key: LockKeyLike) -> tuple[int, str | None]:
     """Normalise ``key`` and keep its name when it has one."""
     return lock_key(key), key if isinstance(key, str) else None
+
+
+# The classid of Member's alive locks (sql/0004_members.up.sql, member_alive_ns()).
+MEMBER_ALIVE_NS = 1885823853
+
+
+@lru_cache(maxsize=4096)
+def semaphore_key(name: str) -> int:
+    """The lane namespace of semaphore ``name``: the high 32 bits of
+    ``lock_key(name)``, signed, as the SQL function ``pgcoord.semaphore_key(text)``.
+
+    Its lanes are the two-int advisory locks ``(k, 0) .. (k, limit - 1)``. The one
+    value that is Member's alive-lock namespace moves next to it. Stable forever.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"semaphore name must be a str, not {type(name).__name__}")
+    k = _hash_name(name) >> 32
+    return k - 1 if k == MEMBER_ALIVE_NS else k

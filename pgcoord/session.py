@@ -59,6 +59,7 @@ from .errors import LockBusy, LockLost, LockTimeout, PgcoordError, PoolExhausted
 from .locks import LockRequest
 
 if TYPE_CHECKING:
+    from ._holdersemaphore import HeldSemaphore
     from .member import Member
 
 __all__ = ["HeldLock", "LockHolder"]
@@ -370,6 +371,18 @@ class LockHolder:
         except TypeError:  # unhashable: build it uncached, which raises the precise error
             request = LockRequest(key, wait=wait, timeout=timeout, shared=shared, scope="session")
         return HeldLock(self, request)
+
+
+    def semaphore(
+        self, name: str, *, limit: int, wait: bool = True, timeout: float | None = None,
+    ) -> HeldSemaphore:
+        """One of ``limit`` slots of semaphore ``name`` held by this session;
+        ``async with`` it. Options and errors as in ``pgcoord.semaphore()``; a lost
+        session cancels the body and raises ``LockLost``, as for ``lock()``."""
+        from ._holdersemaphore import HeldSemaphore
+        from .semaphores import SemaphoreRequest
+
+        return HeldSemaphore(self, SemaphoreRequest(name, limit=limit, wait=wait, timeout=timeout))
 
 
 class HeldLock:

@@ -225,3 +225,45 @@ SELECT slot_at, attempt FROM pgcoord.job_recover($1, $2, $3, $4, $5)
 
 -- name: job_prune
 SELECT pgcoord.job_prune($1, $2, $3)
+
+-- name: semaphore_take
+-- pgcoord.semaphore()'s acquire, sent after BEGIN in the same message; {key} and
+-- {limit} are integers validated in Python. Raises PC001 when every lane is taken.
+SELECT pgcoord.semaphore_take_xact({key}, {limit})
+
+-- name: semaphore_take_call
+SELECT pgcoord.semaphore_take_xact($1, $2)
+
+-- name: semaphore_take_joined
+-- In the caller's own transaction, which may already hold lanes of this
+-- semaphore: those are not taken twice (a lock is re-entrant per session).
+SELECT pgcoord.semaphore_take_xact({key}, {limit}, pgcoord.semaphore_own_lanes({key}))
+
+-- name: semaphore_adopt
+-- The lane a waiter got at session level becomes this transaction's, after BEGIN.
+SELECT pgcoord.semaphore_adopt_xact({key}, {lane})
+
+-- name: semaphore_wait_try
+SELECT pgcoord.semaphore_wait_try($1, $2, $3, CAST($4 AS integer[]))
+
+-- name: semaphore_wait_abandon
+SELECT pgcoord.semaphore_wait_abandon($1)
+
+-- name: semaphore_try_session
+-- holder.semaphore() on a connection that may already hold lanes ($3, known to
+-- the holder): a lane at session level, or NULL.
+SELECT pgcoord.semaphore_try($1, $2, true, CAST($3 AS integer[]))
+
+-- name: semaphore_release
+SELECT pgcoord.semaphore_release($1, $2)
+
+-- name: semaphore_notify
+-- After a rollback, which discarded the notification queued with the acquire.
+SELECT pg_catalog.pg_notify('pgcoord_semaphores', $1)
+
+-- name: semaphore_record
+-- The registry that lets pgcoord.holders name lanes: once per process and name.
+INSERT INTO pgcoord.semaphores (name, key, "limit") VALUES ($1, $2, $3)
+ON CONFLICT (name) DO UPDATE SET key = excluded.key, "limit" = excluded."limit",
+    updated_at = pg_catalog.clock_timestamp()
+WHERE (pgcoord.semaphores.key, pgcoord.semaphores."limit") IS DISTINCT FROM (excluded.key, excluded."limit")

@@ -1,0 +1,291 @@
+"""``holder.semaphore()``: a semaphore slot held by a ``LockHolder`` session.
+
+The slot is a lane (see ``pgcoord.semaphores``) taken with
+``pg_try_advisory_lock`` on the holder's main connection when one is free. When
+none is, the wait goes to a *waiting connection* of its own, as a waited-for
+lock does: it LISTENs there, enters the waiting room, tries on every
+notification (and every ``SEMAPHORE_RECHECK``), and the lane it gets then lives
+on that connection until released. A release unlocks the lane and notifies in
+one statement, at once (never deferred: a waiter in another process is waiting
+for exactly that). Losing the session cancels the body and raises ``LockLost``,
+as for ``holder.lock()``.
+
+Session locks are re-entrant, so one session must never take a lane it already
+holds: the lanes held per connection in this process are passed to each try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import weakref
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, cast
+
+from . import _errmap, metrics, semaphores
+from ._aio import CleanupTimeout, absorb_cancel, finish_despite_cancel
+from ._listen import listen
+from ._queries import query
+from ._semwait import CHANNEL
+from .errors import LockLost, PgcoordError
+from .semaphores import SEMAPHORE_RECHECK, SemaphoreRequest
+
+if TYPE_CHECKING:
+    from ._carrier import Carrier
+    from .locks import LockRequest
+    from .session import LockHolder
+
+log = logging.getLogger("pgcoord.session")
+
+# Lanes held through each driver connection by this process: (key, lane) -> count.
+# Keyed by the driver's connection, which holders sharing one member's session share.
+_held_lanes: dict[Any, collections.Counter[tuple[int, int]]] = {}
+
+
+# One try at a time per driver connection: a try and the note of the lane it got
+# must not interleave with another try on the same session. (asyncpg and psycopg
+# connections take weak references.)
+_try_locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _lanes_of(carrier: Carrier, key: int) -> list[int]:
+    held = _held_lanes.get(carrier.conn.conn)
+    return [] if not held else [lane for (k, lane), n in held.items() if k == key and n]
+
+
+def _note(carrier: Carrier, key: int, lane: int, delta: int) -> None:
+    conn = carrier.conn.conn
+    held = _held_lanes.setdefault(conn, collections.Counter())
+    held[(key, lane)] += delta
+    if held[(key, lane)] <= 0:
+        del held[(key, lane)]
+    if not held:
+        del _held_lanes[conn]
+
+
+class HeldSemaphore:
+    """One semaphore slot held through a :class:`LockHolder`. Single use at a time."""
+
+    __slots__ = ("_entered", "carrier", "holder", "lane", "lost_reason", "request")
+
+    def __init__(self, holder: LockHolder, request: SemaphoreRequest) -> None:
+        self.holder = holder
+        self.request = request
+        self.carrier: Carrier | None = None
+        self.lane: int | None = None
+        self.lost_reason: str | None = None
+        self._entered = False
+
+    # -- what Carrier and LockHolder read of a holding ------------------------------
+
+    @property
+    def shared(self) -> bool:
+        return False
+
+    def release_on_shared_session(self) -> None:
+        """The member's session outlives this holder's carrier (given up after an
+        overrun): release the lane there in the background."""
+        member, carrier, lane = self.holder._member, self.carrier, self.lane
+        if member is None or carrier is None or lane is None:
+            return
+        incarnation = getattr(carrier.conn, "_incarnation", None)
+
+        async def release() -> None:
+            if member.id == incarnation:
+                try:
+                    await member._call(query("semaphore_release"), self.request.key, lane)
+                except Exception as exc:
+                    log.warning("member %r: releasing %s failed: %r", member.name,
+                                self.request.describe(), exc)
+
+        member._spawn(release(), f"pgcoord-member-semaphore:{member.name}")
+
+    # -- taking --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> HeldSemaphore:
+        if self._entered:
+            raise RuntimeError("this semaphore slot is already in use; call holder.semaphore() again")
+        self._entered = True
+        started = time.monotonic()
+        deadline = None if self.request.timeout is None else started + self.request.timeout
+        try:
+            carrier, lane = await self._take(deadline)
+        except BaseException:
+            self._entered = False
+            raise
+        self.carrier, self.lane, self.lost_reason = carrier, lane, None
+        carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
+        metrics.lock_wait(self.request.name, time.monotonic() - started)
+        if carrier.dedicated:
+            carrier.start_probe()
+        return self
+
+    async def _take(self, deadline: float | None) -> tuple[Carrier, int]:
+        holder, request = self.holder, self.request
+        lane: int | None = None
+        main: Carrier | None = None
+        for attempt in (1, 2):
+            main = holder._main
+            if main is None or main.lost or not holder._open:
+                main = await holder._main_carrier()
+            try:
+                lane = await self._try_on(main)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not main.lost:
+                    request.raise_translated(exc)
+                if attempt == 2:
+                    raise LockLost(f"the LockHolder's session was lost while taking "
+                                   f"{request.describe()}: {main.lost_reason}") from exc
+                # The session died under the try, which therefore holds nothing.
+        assert main is not None
+        if lane is not None:
+            return main, lane
+        if not request.must_wait:
+            raise request.busy()
+        return await self._wait_elsewhere(deadline)
+
+    async def _try_on(self, main: Carrier) -> int | None:
+        """A lane on the main connection, or None. The try runs to its end even if
+        we are cancelled (it never waits), so that a lane it got is released."""
+        task = asyncio.ensure_future(self._try_noted(main))
+        try:
+            lane = await finish_despite_cancel(task, bound=self.holder._cleanup_bound,
+                                               on_timeout=main.overran)
+        except CleanupTimeout as exc:
+            main.mark_lost(f"a semaphore try got no answer within {self.holder._cleanup_bound:.1f}s")
+            raise LockLost(f"the LockHolder's session did not answer while taking "
+                           f"{self.request.describe()}") from exc
+        except asyncio.CancelledError:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                got = task.result()
+                if got is not None:
+                    _note(main, self.request.key, got, -1)
+                    await self._release_on(main, got)
+            raise
+        return lane
+
+    async def _record(self, main: Carrier) -> None:
+        """Name the lanes in pgcoord.semaphores: best effort, once per process."""
+        request = self.request
+        try:
+            await main.call(query("semaphore_record"), request.name, request.key, request.limit)
+        except Exception as exc:  # missing schema, no privilege, read-only
+            if main.lost:
+                raise
+            log.debug("semaphore %r not recorded: %s", request.name, exc)
+        semaphores.recorded.add((request.name, request.limit))
+
+    async def _try_noted(self, main: Carrier) -> int | None:
+        key, limit = self.request.key, self.request.limit
+        if (self.request.name, limit) not in semaphores.recorded:
+            await self._record(main)
+        conn = main.conn.conn
+        lock = _try_locks.get(conn)
+        if lock is None:
+            lock = _try_locks[conn] = asyncio.Lock()
+        async with lock:
+            skip = _lanes_of(main, key) or None
+            lane = await main.call(query("semaphore_try_session"), key, limit, skip)
+            if lane is None:
+                return None
+            _note(main, key, int(lane), +1)
+            return int(lane)
+
+    async def _wait_elsewhere(self, deadline: float | None) -> tuple[Carrier, int]:
+        """Wait on a connection of its own, so the main one stays free."""
+        holder, request = self.holder, self.request
+        carrier = await holder._waiting_carrier(cast("LockRequest", request))
+        woken = asyncio.Event()
+
+        def on_notify(payload: str) -> None:
+            if payload == str(request.key):
+                woken.set()
+
+        try:
+            await listen(carrier.conn, CHANNEL, on_notify)
+            enter = True
+            while True:
+                lane = await carrier.call(query("semaphore_wait_try"), request.key,
+                                          request.limit, enter, None)
+                enter = False
+                if lane is not None:
+                    _note(carrier, request.key, int(lane), +1)
+                    return carrier, int(lane)  # the server stopped listening with it
+                pause = SEMAPHORE_RECHECK
+                if deadline is not None:
+                    pause = min(pause, deadline - time.monotonic())
+                    if pause <= 0:
+                        raise request.timed_out()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), pause)
+                woken.clear()
+        except BaseException as exc:
+            await self._give_up(carrier)
+            if isinstance(exc, PgcoordError | asyncio.CancelledError):
+                raise
+            if carrier.lost:
+                raise LockLost(f"the session waiting for {request.describe()} was lost: "
+                               f"{carrier.lost_reason}") from exc
+            request.raise_translated(exc)
+
+    async def _give_up(self, carrier: Carrier) -> None:
+        """Stop listening (a borrowed connection goes back without a LISTEN), then
+        give the waiting connection back, which releases its locks; bounded."""
+        if not carrier.lost:
+            try:
+                await finish_despite_cancel(
+                    carrier.call(query("semaphore_wait_abandon"), self.request.key),
+                    bound=self.holder._cleanup_bound, on_timeout=carrier.overran)
+            except (CleanupTimeout, Exception) as exc:
+                carrier.mark_lost(f"leaving a semaphore wait failed: {exc!r}")
+        await self.holder._retire(carrier)
+
+    # -- releasing ---------------------------------------------------------------------
+
+    async def _release_on(self, carrier: Carrier, lane: int) -> None:
+        """Unlock the lane and notify the waiters in one statement, bounded; a
+        release that fails or finds the lane not held ends the session."""
+        try:
+            released = await finish_despite_cancel(
+                carrier.call(query("semaphore_release"), self.request.key, lane),
+                bound=self.holder._cleanup_bound, on_timeout=carrier.overran)
+        except (CleanupTimeout, Exception) as exc:
+            if not carrier.lost and not _errmap.session_gone(exc):
+                carrier.mark_lost(f"releasing {self.request.describe()} failed: {exc!r}")
+            elif not carrier.lost:
+                carrier.mark_lost(f"{type(exc).__name__}: {exc}")
+            return
+        if not released:
+            log.error("pgcoord LockHolder session (pid %s): lane %d of %s was not held; "
+                      "closing the session", carrier.conn.backend_pid, lane,
+                      self.request.describe())
+            carrier.mark_lost(f"lane {lane} of {self.request.describe()} was not held")
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        carrier, holder, request, lane = self.carrier, self.holder, self.request, self.lane
+        assert carrier is not None and lane is not None
+        carrier.holding.pop(self, None)
+        _note(carrier, request.key, lane, -1)
+        self.carrier = self.lane = None
+        try:
+            if self.lost_reason is not None:
+                metrics.lock_lost(request.name, self.lost_reason)
+                if isinstance(exc, asyncio.CancelledError):
+                    absorb_cancel()
+                raise LockLost(f"{request.describe()} lost: {self.lost_reason}") from exc
+            if carrier.lost:
+                return  # the server released it with the session
+            await self._release_on(carrier, lane)
+            if carrier.dedicated:
+                await holder._retire(carrier)
+        finally:
+            self._entered = False

@@ -1,0 +1,222 @@
+"""A semaphore waiter's connection: statements outside any transaction, and
+waiting for the notification that a lane was freed.
+
+``pgcoord.semaphore()`` waits on the caller's own connection (checked out of
+its pool, or given), before its transaction begins: it LISTENs, tries, and
+waits for a notification on channel ``pgcoord_semaphores`` whose payload is the
+semaphore's key. asyncpg delivers notifications whenever they arrive. psycopg
+reads them only while it runs a statement, so while nothing runs the waiter
+watches the socket itself and hands what arrives to psycopg's notify handlers,
+as psycopg would. SQLAlchemy connections are waited on through their driver's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import time
+from typing import Any
+
+from ._queries import to_pyformat
+
+CHANNEL = "pgcoord_semaphores"
+_LISTEN = f"LISTEN {CHANNEL}"
+
+
+def driver_connection(session: Any) -> Any:
+    """The asyncpg or psycopg connection under a checked-out ``_drivers`` session."""
+    for attr in ("_driver", "_raw"):  # SQLAlchemy's driver connection, asyncpg's raw one
+        found = getattr(session, attr, None)
+        if found is not None:
+            return found
+    return session.conn
+
+
+def _module(conn: Any) -> str:
+    return type(conn).__module__.partition(".")[0]
+
+
+class _Wake:
+    """Notifications for one key; other keys on the channel are not ours."""
+
+    def __init__(self, key: int) -> None:
+        self.payload = str(key)
+        self.woken = False
+
+    def psycopg(self, notify: Any) -> None:
+        if notify.channel == CHANNEL and notify.payload == self.payload:
+            self.woken = True
+
+
+def _purge_backlog(conn: Any) -> None:
+    """psycopg 3.3 keeps notifications that arrive outside ``notifies()`` for a
+    later ``notifies()`` call: ours must not reach the connection's next user."""
+    backlog = getattr(conn, "_notifies_backlog", None)
+    if backlog:
+        kept = [n for n in backlog if n.channel != CHANNEL]
+        backlog.clear()
+        backlog.extend(kept)
+
+
+def _read_notifications(conn: Any) -> None:
+    """Parse what arrived on an idle psycopg connection; notifications go to its
+    notify handlers. A connection the server closed is found closed by psycopg's
+    next statement, which then raises as usual."""
+    pgconn = conn.pgconn
+    with contextlib.suppress(Exception):
+        pgconn.consume_input()
+    while (notify := pgconn.notifies()) is not None:
+        handler = pgconn.notify_handler
+        if handler is not None:
+            handler(notify)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class AsyncLaneConn:
+    """An async driver connection used for a semaphore wait (asyncpg or psycopg)."""
+
+    def __init__(self, conn: Any, key: int) -> None:
+        self.conn = conn
+        self.module = _module(conn)
+        if self.module not in ("asyncpg", "psycopg"):
+            raise TypeError(f"cannot wait on a {type(conn).__qualname__}")
+        self._wake = _Wake(key)
+        self._event = asyncio.Event()
+        self._listening = False
+
+    def _on_asyncpg(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        if payload == self._wake.payload:
+            self._event.set()
+
+    def _on_psycopg(self, notify: Any) -> None:
+        self._wake.psycopg(notify)
+        if self._wake.woken:
+            self._event.set()
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        """One ``$n`` statement in a transaction of its own; its first value."""
+        if self.module == "asyncpg":
+            return await self.conn.fetchval(sql, *args)
+        from ._drivers.psycopg import CANCEL_GRACE, guard_cancel
+
+        return await guard_cancel(self.conn, self._psycopg_fetchval(sql, args), grace=CANCEL_GRACE)
+
+    async def _psycopg_fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
+        conn = self.conn
+        switched = not conn.autocommit
+        if switched:  # no I/O: psycopg then sends no BEGIN
+            await conn.set_autocommit(True)
+        try:
+            cur = await conn.execute(to_pyformat(sql), args or None, prepare=False)
+            row = await cur.fetchone() if cur.description else None
+            return None if row is None else row[0]
+        finally:
+            if switched and not conn.closed:
+                await conn.set_autocommit(False)
+
+    async def listen(self) -> None:
+        if self.module == "asyncpg":
+            await self.conn.add_listener(CHANNEL, self._on_asyncpg)
+        else:
+            self.conn.add_notify_handler(self._on_psycopg)
+            self._listening = True
+            await self.fetchval(_LISTEN)
+        self._listening = True
+
+    async def wait(self, seconds: float) -> None:
+        """Until a notification for our key, or ``timeout`` seconds."""
+        if not self._event.is_set():
+            if self.module == "asyncpg":
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._event.wait(), seconds)
+            else:
+                await self._wait_psycopg(seconds)
+        self._event.clear()
+
+    async def _wait_psycopg(self, seconds: float) -> None:
+        # Every semaphore's releases go to one channel: read on until one is ours.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        fd = self.conn.pgconn.socket
+        while not self._event.is_set() and (remaining := deadline - loop.time()) > 0:
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _resolve, readable)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(readable, remaining)
+            finally:
+                loop.remove_reader(fd)
+            if not readable.done():
+                return
+            _read_notifications(self.conn)
+            if self.conn.closed:
+                return  # the next statement raises as psycopg does
+
+    async def forget(self) -> None:
+        """Stop hearing notifications, once the server stopped listening (the
+        statement that got a lane or gave up ran UNLISTEN)."""
+        if not self._listening:
+            return
+        self._listening = False
+        if self.module == "asyncpg":
+            # asyncpg sends an UNLISTEN of its own when its last callback goes.
+            if not self.conn.is_closed():
+                await self.conn.remove_listener(CHANNEL, self._on_asyncpg)
+        else:
+            with contextlib.suppress(ValueError):
+                self.conn.remove_notify_handler(self._on_psycopg)
+            _purge_backlog(self.conn)
+
+
+class SyncLaneConn:
+    """:class:`AsyncLaneConn` for a psycopg sync connection."""
+
+    def __init__(self, conn: Any, key: int) -> None:
+        self.conn = conn
+        if _module(conn) != "psycopg":
+            raise TypeError(f"cannot wait on a {type(conn).__qualname__}")
+        self._wake = _Wake(key)
+        self._listening = False
+
+    def fetchval(self, sql: str, *args: Any) -> Any:
+        conn = self.conn
+        switched = not conn.autocommit
+        if switched:
+            conn.autocommit = True
+        try:
+            cur = conn.execute(to_pyformat(sql), args or None, prepare=False)
+            row = cur.fetchone() if cur.description else None
+            return None if row is None else row[0]
+        finally:
+            if switched and not conn.closed:
+                conn.autocommit = False
+
+    def listen(self) -> None:
+        self.conn.add_notify_handler(self._wake.psycopg)
+        self._listening = True
+        self.fetchval(_LISTEN)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        fd = self.conn.pgconn.socket
+        while not self._wake.woken and (remaining := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([fd], [], [], remaining)
+            if not readable:
+                break
+            _read_notifications(self.conn)
+            if self.conn.closed:
+                break
+        self._wake.woken = False
+
+    def forget(self) -> None:
+        if not self._listening:
+            return
+        self._listening = False
+        with contextlib.suppress(ValueError):
+            self.conn.remove_notify_handler(self._wake.psycopg)
+        _purge_backlog(self.conn)

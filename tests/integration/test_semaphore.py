@@ -1,0 +1,503 @@
+"""Semaphores (DESIGN §8): at most ``limit`` holders across processes, in both
+scopes; waiting is event-driven; every connection goes back clean."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+
+import pgcoord
+import pgcoord._holdersemaphore
+import pgcoord.semaphores
+from pgcoord._keys import semaphore_key
+
+from .conftest import sql, unique
+from .sources import ASYNC_CONNS, ASYNC_POOLS, SYNC_CONNS, SYNC_POOLS, apid, open_async, open_sync
+
+REPLICA = str(Path(__file__).with_name("semaphore_replica.py"))
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.Popen([sys.executable, REPLICA, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _lanes(dsn: str, name: str) -> list[tuple[int, int, bool]]:
+    """(pid, lane, granted) of every semaphore row of ``name`` in pgcoord.holders."""
+    return [(int(r[0]), -1 if r[1] is None else int(r[1]), bool(r[2])) for r in sql(
+        dsn, "select pid, lane, granted from pgcoord.holders where kind = 'semaphore'"
+             " and name = %s order by pid", name)]
+
+
+def _semaphore_locks(dsn: str, name: str) -> int:
+    """Advisory locks (lanes and waiting room) of semaphore ``name`` held by anyone."""
+    rows = sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and objsubid = 2"
+                    " and classid = (%s::bigint & 4294967295)::oid", semaphore_key(name))
+    return int(rows[0][0])  # type: ignore[call-overload]
+
+
+async def _wait_until(check: Any, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def no_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters in this process retry only when notified: a wake-up proves the
+    notification, not the crash-path recheck."""
+    monkeypatch.setattr(pgcoord.semaphores, "SEMAPHORE_RECHECK", 60.0)
+    monkeypatch.setattr(pgcoord._holdersemaphore, "SEMAPHORE_RECHECK", 60.0)
+
+
+# -- keys and arguments -------------------------------------------------------------
+
+def test_semaphore_key_is_the_sql_function(dsn: str) -> None:
+    names = ["partner-api", "", "ünïcödé ☃", "x" * 300, "a/b:c"]
+    rows = sql(dsn, "select n, pgcoord.semaphore_key(n) from unnest(%s::text[]) as n", names)
+    assert {str(n): int(k) for n, k in rows} == {n: semaphore_key(n) for n in names}  # type: ignore[call-overload]
+    assert all(-(2**31) <= semaphore_key(n) < 2**31 for n in names)
+    assert semaphore_key("partner-api") == pgcoord.lock_key("partner-api") >> 32
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    ((42, {"limit": 1}), TypeError),
+    (("", {"limit": 1}), ValueError),
+    (("n", {"limit": 0}), ValueError),
+    (("n", {"limit": True}), TypeError),
+    (("n", {"limit": 1.5}), TypeError),
+    (("n", {"limit": 10**6}), ValueError),
+    (("n", {"limit": 2, "timeout": -1}), ValueError),
+    (("n", {"limit": 2, "timeout": "1"}), TypeError),
+    (("n", {"limit": 2, "wait": False, "timeout": 1}), ValueError),
+    (("n", {"limit": 2, "wait": 1}), TypeError),
+])
+async def test_bad_arguments_are_refused_at_the_call(dsn: str, args: Any, error: type) -> None:
+    name, kwargs = args
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        with pytest.raises(error):
+            pgcoord.semaphore(pool, name, **kwargs)
+        async with pgcoord.LockHolder(dsn) as holder:
+            with pytest.raises(error):
+                holder.semaphore(name, **kwargs)
+    finally:
+        await pool.close()
+
+
+def test_limit_is_required_and_sources_are_checked(dsn: str) -> None:
+    with pytest.raises(TypeError):
+        pgcoord.semaphore(object(), "n")  # type: ignore[call-arg]
+    with pytest.raises(pgcoord.UnsupportedConnection):
+        pgcoord.semaphore(object(), "n", limit=1)
+
+
+# -- at most `limit`, across processes ---------------------------------------------
+
+@pytest.mark.parametrize("scope", ["xact", "session"])
+def test_never_more_than_limit_holders_across_processes(dsn: str, scope: str) -> None:
+    """50 tasks in 3 processes, limit 5: the count of holders reaches 5, never 6."""
+    name, table = unique("sem-count"), f"sem_count_{unique('t').split(':')[1]}"
+    sql(dsn, f"create table {table} (cur int not null, peak int not null)")
+    sql(dsn, f"insert into {table} values (0, 0)")
+    procs = [_spawn(dsn, name, "5", scope, "count", table, str(n)) for n in (17, 17, 16)]
+    try:
+        outputs = [proc.communicate(timeout=90)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all("DONE" in out for out in outputs), outputs
+    assert sql(dsn, f"select cur, peak from {table}") == [(0, 5)]
+    assert _semaphore_locks(dsn, name) == 0
+
+
+@pytest.mark.parametrize("scope", ["xact", "session"])
+async def test_a_killed_holders_slot_goes_to_a_waiter(dsn: str, scope: str) -> None:
+    name = unique("sem-crash")
+    proc = _spawn(dsn, name, "1", scope, "hold")
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert line.strip() == "HOLDING"
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(pool, name, limit=1, wait=False):
+                    pass
+            waiter = asyncio.create_task(_hold_once(pool, name))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()
+            proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            await asyncio.wait_for(waiter, 5)
+            assert time.monotonic() - killed < 5
+        finally:
+            await pool.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+async def _hold_once(source: Any, name: str) -> None:
+    async with pgcoord.semaphore(source, name, limit=1, timeout=30) as conn:
+        await conn.execute("select 1")
+
+
+# -- busy, timeout, waking ---------------------------------------------------------
+
+async def test_busy_and_timeout(dsn: str) -> None:
+    name = unique("sem-busy")
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=3)
+    try:
+        async with pgcoord.semaphore(pool, name, limit=2), pgcoord.semaphore(pool, name, limit=2):
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(pool, name, limit=2, wait=False):
+                    pass
+            with pytest.raises(pgcoord.LockTimeout):
+                async with pgcoord.semaphore(pool, name, limit=2, timeout=0):
+                    pass
+            started = time.monotonic()
+            with pytest.raises(pgcoord.LockTimeout):
+                async with pgcoord.semaphore(pool, name, limit=2, timeout=0.3):
+                    pass
+            assert 0.3 <= time.monotonic() - started < 3
+        # both released at commit: two more fit at once
+        async with pgcoord.semaphore(pool, name, limit=2, wait=False), \
+                pgcoord.semaphore(pool, name, limit=2, wait=False):
+            pass
+    finally:
+        await pool.close()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+@pytest.mark.usefixtures("no_recheck")
+@pytest.mark.parametrize("ending", ["commit", "exception"])
+async def test_a_release_wakes_a_waiter_by_notification(dsn: str, ending: str) -> None:
+    """With the periodic recheck pushed to 60 s, only the release's NOTIFY can
+    wake the waiter: after a commit, and after pgcoord's own rollback."""
+    name = unique("sem-wake")
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
+    try:
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with pgcoord.semaphore(pool, name, limit=1):
+                await release.wait()
+                if ending == "exception":
+                    raise RuntimeError("body failed")
+
+        held = asyncio.create_task(holder())
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+        waiter = asyncio.create_task(_hold_once(pool, name))
+        await _wait_until(lambda: any(not granted for _, _, granted in _lanes(dsn, name)))
+        release.set()
+        await asyncio.wait_for(waiter, 5)
+        if ending == "exception":
+            with pytest.raises(RuntimeError):
+                await held
+    finally:
+        await pool.close()
+
+
+# -- every source, and what goes back to it ----------------------------------------
+
+async def _assert_clean_async(conn: Any) -> None:
+    """No LISTEN, no advisory lock, no transaction on this connection."""
+    if hasattr(conn, "exec_driver_sql"):  # SQLAlchemy
+        listening = (await conn.exec_driver_sql("select count(*) from pg_listening_channels()")).scalar()
+        locks = (await conn.exec_driver_sql(
+            "select count(*) from pg_locks where locktype = 'advisory'"
+            " and pid = pg_backend_pid()")).scalar()
+        await conn.rollback()
+    elif hasattr(conn, "fetchval"):  # asyncpg
+        assert not conn.is_in_transaction()
+        listening = await conn.fetchval("select count(*) from pg_listening_channels()")
+        locks = await conn.fetchval("select count(*) from pg_locks where locktype = 'advisory'"
+                                    " and pid = pg_backend_pid()")
+    else:  # psycopg
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        autocommit = conn.autocommit
+        listening = (await (await conn.execute(
+            "select count(*) from pg_listening_channels()")).fetchone())[0]
+        locks = (await (await conn.execute(
+            "select count(*) from pg_locks where locktype = 'advisory'"
+            " and pid = pg_backend_pid()")).fetchone())[0]
+        if not autocommit:
+            await conn.rollback()
+    assert (listening, locks) == (0, 0)
+
+
+def _checked_out(kind: str, source: Any) -> Any:
+    """A context manager yielding the connection a size-1 pool gave the semaphore,
+    or the connection itself."""
+    import contextlib
+
+    if kind == "asyncpg-pool":
+        return source.acquire()
+    if kind == "psycopg-pool":
+        return source.connection()
+    if kind in ("sa-async-asyncpg", "sa-async-psycopg"):
+        return source.connect()
+
+    @contextlib.asynccontextmanager
+    async def same() -> Any:
+        yield source
+
+    return same()
+
+
+@pytest.mark.parametrize("kind", ASYNC_POOLS + ASYNC_CONNS)
+async def test_every_async_source_waits_and_goes_back_clean(dsn: str, kind: str) -> None:
+    name = unique(f"sem-src-{kind}")
+    blocker = await asyncpg.connect(dsn)
+    async with open_async(kind, dsn, size=1) as source:
+        autocommit_before = getattr(source, "autocommit", None)
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with pgcoord.semaphore(blocker, name, limit=1):
+                await release.wait()
+
+        held = asyncio.create_task(hold())
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+        got: list[int] = []
+
+        async def wait() -> None:
+            async with pgcoord.semaphore(source, name, limit=1, timeout=20) as conn:
+                got.append(await apid(conn))
+                assert (got[0], 0, True) in _lanes(dsn, name)
+
+        waiter = asyncio.create_task(wait())
+        # the waiter shows as one, not granted
+        await _wait_until(lambda: [g for _, _, g in _lanes(dsn, name)] == [True, False]
+                          or [g for _, _, g in _lanes(dsn, name)] == [False, True])
+        release.set()
+        await asyncio.wait_for(asyncio.gather(held, waiter), 10)
+        assert got
+        async with _checked_out(kind, source) as conn:
+            await _assert_clean_async(conn)
+        assert getattr(source, "autocommit", None) == autocommit_before
+    await blocker.close()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+def _assert_clean_sync(conn: Any) -> None:
+    if hasattr(conn, "exec_driver_sql"):
+        listening = conn.exec_driver_sql("select count(*) from pg_listening_channels()").scalar()
+        locks = conn.exec_driver_sql("select count(*) from pg_locks where locktype = 'advisory'"
+                                     " and pid = pg_backend_pid()").scalar()
+        conn.rollback()
+    else:
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        listening = conn.execute("select count(*) from pg_listening_channels()").fetchone()[0]
+        locks = conn.execute("select count(*) from pg_locks where locktype = 'advisory'"
+                             " and pid = pg_backend_pid()").fetchone()[0]
+        conn.rollback()
+    assert (listening, locks) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", SYNC_POOLS + SYNC_CONNS)
+def test_every_sync_source_waits_and_goes_back_clean(dsn: str, kind: str) -> None:
+    name = unique(f"sem-sync-{kind}")
+    with psycopg.connect(dsn) as blocker, open_sync(kind, dsn, size=1) as source:
+        autocommit_before = getattr(source, "autocommit", None)
+        release = threading.Event()
+        errors: list[BaseException] = []
+
+        def hold() -> None:
+            with pgcoord.semaphore(blocker, name, limit=1):
+                release.wait(20)
+
+        def wait() -> None:
+            try:
+                with pgcoord.semaphore(source, name, limit=1, timeout=20) as conn:
+                    if hasattr(conn, "exec_driver_sql"):
+                        conn_pid = conn.exec_driver_sql("select pg_backend_pid()").scalar()
+                    else:
+                        conn_pid = conn.info.backend_pid
+                    assert _lanes(dsn, name) == [(conn_pid, 0, True)]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        deadline = time.monotonic() + 5
+        while _semaphore_locks(dsn, name) != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        while sorted(g for _, _, g in _lanes(dsn, name)) != [False, True]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.set()
+        holder.join(10)
+        waiter.join(10)
+        assert not errors, errors
+        if kind == "psycopg-sync-pool":
+            with source.connection() as conn:
+                _assert_clean_sync(conn)
+        elif kind == "sa-sync-engine":
+            with source.connect() as conn:
+                _assert_clean_sync(conn)
+        else:
+            _assert_clean_sync(source)
+        assert getattr(source, "autocommit", None) == autocommit_before
+    assert _semaphore_locks(dsn, name) == 0
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-conn", "psycopg-conn", "sa-async-psycopg"])
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_giving_up_a_wait_leaves_nothing_behind(dsn: str, kind: str, how: str) -> None:
+    name = unique("sem-giveup")
+    blocker = await asyncpg.connect(dsn)
+    async with open_async(kind, dsn, size=1) as source:
+        async with pgcoord.semaphore(blocker, name, limit=1):
+            if how == "cancel":
+                waiter = asyncio.create_task(_hold_once(source, name))
+                await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+                waiter.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiter
+            else:
+                with pytest.raises(pgcoord.LockTimeout):
+                    async with pgcoord.semaphore(source, name, limit=1, timeout=0.3):
+                        pass
+            assert [g for _, _, g in _lanes(dsn, name)] == [True]  # the waiter is gone
+        async with _checked_out(kind, source) as conn:
+            await _assert_clean_async(conn)
+    await blocker.close()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+async def test_inside_the_callers_transaction(dsn: str) -> None:
+    """Joined: the slot is the caller's transaction's; busy leaves it usable."""
+    name = unique("sem-joined")
+    conn = await asyncpg.connect(dsn)
+    other = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            async with pgcoord.semaphore(conn, name, limit=1):
+                pass
+            assert _semaphore_locks(dsn, name) == 1  # held until the caller commits
+            # the same transaction does not count its own lane twice
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(conn, name, limit=1, wait=False):
+                    pass
+            assert await conn.fetchval("select 1") == 1  # still usable
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(other, name, limit=1, wait=False):
+                    pass
+        assert _semaphore_locks(dsn, name) == 0
+    finally:
+        await conn.close()
+        await other.close()
+
+
+# -- session scope -----------------------------------------------------------------
+
+async def test_holder_semaphore_counts_lanes_of_its_own_session(dsn: str) -> None:
+    """Session locks are re-entrant, yet one session never holds a lane twice:
+    limit 2 admits two bodies through one holder, and a third waits."""
+    name = unique("sem-holder")
+    async with pgcoord.LockHolder(dsn) as holder:
+        async with holder.semaphore(name, limit=2), holder.semaphore(name, limit=2):
+            rows = _lanes(dsn, name)
+            assert sorted(lane for _, lane, _ in rows) == [0, 1]
+            assert {pid for pid, _, _ in rows} == {holder.backend_pid}
+            with pytest.raises(pgcoord.LockBusy):
+                async with holder.semaphore(name, limit=2, wait=False):
+                    pass
+            with pytest.raises(pgcoord.LockTimeout):
+                async with holder.semaphore(name, limit=2, timeout=0.2):
+                    pass
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
+
+
+@pytest.mark.usefixtures("no_recheck")
+async def test_holder_semaphore_waits_on_its_own_connection(dsn: str) -> None:
+    name = unique("sem-holder-wait")
+    async with pgcoord.LockHolder(dsn) as first, pgcoord.LockHolder(dsn) as second:
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with first.semaphore(name, limit=1):
+                await release.wait()
+
+        held = asyncio.create_task(hold())
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+        entered = asyncio.Event()
+
+        async def wait() -> None:
+            async with second.semaphore(name, limit=1, timeout=20):
+                rows = _lanes(dsn, name)
+                assert len(rows) == 1 and rows[0][0] != second.backend_pid  # a waiting conn
+                entered.set()
+
+        waiter = asyncio.create_task(wait())
+        await _wait_until(lambda: sorted(g for _, _, g in _lanes(dsn, name)) == [False, True])
+        release.set()
+        await asyncio.wait_for(asyncio.gather(held, waiter), 5)
+        assert entered.is_set()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+async def test_holder_semaphore_lost_with_its_session(dsn: str) -> None:
+    name = unique("sem-lost")
+    async with pgcoord.LockHolder(dsn, keepalive=1.0) as holder:
+        started = asyncio.Event()
+
+        async def body() -> None:
+            async with holder.semaphore(name, limit=1):
+                started.set()
+                await asyncio.sleep(30)
+
+        task = asyncio.create_task(body())
+        await started.wait()
+        sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
+        with pytest.raises(pgcoord.LockLost):
+            await asyncio.wait_for(task, 5)
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
+        async with holder.semaphore(name, limit=1, wait=False):  # reconnects
+            assert len(_lanes(dsn, name)) == 1
+
+
+async def test_holder_semaphore_on_a_member(dsn: str) -> None:
+    name = unique("sem-member")
+    async with pgcoord.Member(dsn, group=unique("g")) as member, \
+            pgcoord.LockHolder(member) as one, pgcoord.LockHolder(member) as two, \
+            one.semaphore(name, limit=2), two.semaphore(name, limit=2):
+        rows = sql(dsn, "select member, lane from pgcoord.holders where kind = 'semaphore'"
+                        " and name = %s order by lane", name)
+        assert rows == [(member.name, 0), (member.name, 1)]
+        with pytest.raises(pgcoord.LockBusy):
+            async with one.semaphore(name, limit=2, wait=False):
+                pass
+    assert _semaphore_locks(dsn, name) == 0
+
+
+def test_member_alive_locks_keep_their_kind(dsn: str) -> None:
+    """Only registered semaphore keys become kind 'semaphore' in the view."""
+
+    async def run() -> list[tuple[Any, ...]]:
+        async with pgcoord.Member(dsn, group=unique("g")) as member:
+            return sql(dsn, "select h.kind from pgcoord.holders as h"
+                            " join pgcoord.member_sessions as m on m.pid = h.pid"
+                            " where m.name = %s and m.left_at is null", member.name)
+
+    kinds = asyncio.run(run())
+    assert kinds and ("semaphore",) not in kinds
