@@ -17,6 +17,8 @@ GRANT SELECT ON pgcoord.holders TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.member_sessions TO pgcoord_service;
 GRANT USAGE ON SEQUENCE pgcoord.member_ids TO pgcoord_service;
 GRANT SELECT ON pgcoord.members TO pgcoord_service;
+-- Semaphores: name their lanes for the view (pgcoord.semaphores, best effort).
+GRANT SELECT, INSERT, UPDATE ON pgcoord.semaphores TO pgcoord_service;
 -- check_fence() locks the lease row FOR SHARE, which needs UPDATE (granted above).
 -- Schedules at runtime: add, change, pause and remove them; the triggers bump the
 -- change counter; runs owed (trigger, resume) are taken by the replica that runs them.

@@ -169,6 +169,13 @@ async def _as_service(dsn: str) -> None:
         await _schedules_as_service(pool)
         async with pgcoord.LockHolder(dsn) as holder, holder.lock("roles:session"):
             pass
+        # Semaphores in both scopes, named in the registry (which needs the grant).
+        async with pgcoord.semaphore(pool, "roles:semaphore", limit=2), \
+                pgcoord.LockHolder(dsn) as holder, holder.semaphore("roles:semaphore", limit=2):
+            async with pool.acquire() as conn:
+                assert await conn.fetchval(
+                    "select count(*) from pgcoord.holders where kind = 'semaphore'"
+                    " and name = 'roles:semaphore'") == 2
         # A member, and every feature on it.
         async with pgcoord.Member(dsn, group="roles") as member, pgcoord.LockHolder(member) as held:
             async with held.lock("roles:member-lock"):
