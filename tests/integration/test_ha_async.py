@@ -1,0 +1,89 @@
+"""What an asynchronous standby loses on failover, and that doctor says so.
+
+The primary does not wait for its standby, so a lease takeover acknowledged to
+its new holder (with its fence) can be missing from the standby when the primary
+dies. After the promotion the fence has gone back by the lag: the new holder's
+fence is stale on the new primary, and the holder it replaced is current again.
+This is why docs/operations.md asks for a synchronous standby and why
+``pgcoord doctor`` warns about asynchronous ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import psycopg
+import psycopg_pool
+import pytest
+
+import pgcoord
+import pgcoord.migrations
+from pgcoord.doctor import run_checks
+
+from .ha import StandbyPair
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[StandbyPair]:
+    with StandbyPair(synchronous=False, through_proxy=True) as pair:
+        pgcoord.migrations.upgrade(pair.url())
+        pair.wait_replayed()
+        yield pair
+
+
+def test_doctor_warns_about_an_asynchronous_standby_and_fails_on_a_standby(pair: StandbyPair) -> None:
+    checks = {c.name: c for c in run_checks(pair.libpq_dsn())}
+    assert checks["replication"].status == "warn"
+    assert "fence can go back" in checks["replication"].detail
+    assert "synchronous_standby_names" in checks["replication"].fix
+    on_standby = {c.name: c for c in run_checks(pair.standby.dsn)}
+    assert on_standby["replication"].status == "fail"
+    assert "target_session_attrs=read-write" in on_standby["replication"].fix
+
+
+async def _fenced_write(pool: psycopg_pool.AsyncConnectionPool, name: str, fence: int) -> None:
+    async with pool.connection() as conn, conn.transaction():
+        await pgcoord.check_fence(conn, name, fence)
+        await conn.execute("insert into async_writes (fence) values (%s)", (fence,))
+
+
+async def test_a_fence_goes_back_by_the_lag(pair: StandbyPair) -> None:
+    name = "async:lease"
+    with psycopg.connect(pair.libpq_dsn(), autocommit=True) as conn:
+        conn.execute("create table async_writes (id serial primary key, fence bigint)")
+    # check: a connection to the old primary is replaced when next lent, not lent broken.
+    pool = psycopg_pool.AsyncConnectionPool(
+        pair.libpq_dsn(), min_size=1, max_size=3, open=False, kwargs={"autocommit": True},
+        timeout=10, check=psycopg_pool.AsyncConnectionPool.check_connection)
+    await pool.open()
+    try:
+        first = pgcoord.Lease(pool, name, ttl=60.0, holder="first")
+        old_fence = await first.acquire()
+        await _fenced_write(pool, name, old_fence)
+        await asyncio.to_thread(pair.wait_replayed)
+
+        # From here the standby hears nothing; the primary commits on regardless.
+        pair.cut_replication()
+        await first.release()
+        second = pgcoord.Lease(pool, name, ttl=60.0, holder="second")
+        new_fence = await second.acquire()
+        await _fenced_write(pool, name, new_fence)  # acknowledged: committed on the primary
+        assert new_fence > old_fence
+        await asyncio.to_thread(pair.fail_over)
+
+        with psycopg.connect(pair.libpq_dsn(), autocommit=True) as conn:
+            assert conn.info.port == pair.standby.port
+            [(holder, fence)] = conn.execute("select holder, fence from pgcoord.leases"
+                                             " where name = %s", (name,)).fetchall()
+            written = [f for (f,) in conn.execute("select fence from async_writes order by id")]
+        # The fence went back by the lag: the release, the takeover and its write are
+        # gone, and the holder it replaced holds the lease again on the new primary.
+        assert (holder, fence) == ("first", old_fence)
+        assert written == [old_fence]
+        await _fenced_write(pool, name, old_fence)  # the replaced holder's write is accepted
+        with pytest.raises(pgcoord.StaleFence):
+            await _fenced_write(pool, name, new_fence)  # the acknowledged one's is not
+        await second.release()
+    finally:
+        await pool.close()
