@@ -47,6 +47,7 @@ from ._keys import lock_key
 from ._queries import query
 from .errors import SchemaMissing, UnsupportedConnection
 from .leases import trust_margin, validate_ttl
+from .member import SessionLost
 
 if TYPE_CHECKING:
     from .member import Member, MemberSession
@@ -234,7 +235,7 @@ class Partitions:
                     mapped = _errmap.as_schema_missing(exc)
                     if isinstance(mapped, SchemaMissing):
                         raise mapped from exc
-                    lost = self._lost.is_set() or isinstance(exc, _SessionGone) or _errmap.session_gone(exc)
+                    lost = self._lost.is_set() or isinstance(exc, SessionLost | _SessionGone)
                     await self._forget_all()
                     if lost:
                         self._held.clear()
@@ -271,9 +272,23 @@ class Partitions:
         await self._call(session, "partition_join", self.name, self.count, member_id)
         session.owned[(self._participation_key(member_id), False)] += 1
         self._renew_at = 0.0
+        failures = 0
         while True:
             self._news.clear()  # before looking, so that news arriving meanwhile is kept
-            await self._step(session)
+            try:
+                await self._step(session)
+                failures = 0
+            except Exception as exc:
+                if (self._lost.is_set() or isinstance(exc, SessionLost | _SessionGone)
+                        or isinstance(_errmap.as_schema_missing(exc), SchemaMissing)):
+                    raise
+                # A step that failed (a statement cut short by lock_timeout, say) keeps
+                # what we own: the trust windows still bound how long we believe it.
+                failures += 1
+                delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                log.warning("partitions %r: %r; looking again in %.2fs", self.name, exc, delay)
+                await self._wait(min(time.monotonic() + delay, self._next_deadline()))
+                continue
             await self._wait(self._next_deadline())
 
     def _participation_key(self, member_id: int) -> int:

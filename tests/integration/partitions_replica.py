@@ -28,7 +28,12 @@ async def main(dsn: str, name: str, count: int, member_name: str, ttl: float, dr
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     pool = None
     if table:
-        pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=2, max_size=4, open=False)
+        # A paused process's open fenced transaction would hold its part's row FOR
+        # SHARE, and so hold up the takeover, for as long as the pause: the server
+        # ends such a transaction after a second (docs/partitions.md).
+        pool = psycopg_pool.AsyncConnectionPool(
+            dsn, min_size=2, max_size=4, open=False,
+            kwargs={"options": "-c idle_in_transaction_session_timeout=1000"})
         await pool.open()
 
     async def own(part: pgcoord.Partition) -> None:
