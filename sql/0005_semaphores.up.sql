@@ -145,13 +145,21 @@ $body$;
 
 -- Release a session-level lane and tell the waiters, in one statement (the
 -- unlock is immediate; the notification goes at the end of the statement).
+-- With nobody in the waiting room there is nobody to tell (a NOTIFY costs every
+-- listener of the channel a wake-up): the room is empty when its exclusive
+-- try succeeds. A waiter enters the room before its first try, in the same
+-- statement, so a waiter missed here tried after the unlock and saw the lane free.
 CREATE FUNCTION pgcoord.semaphore_release(sem_key integer, lane integer) RETURNS boolean
     LANGUAGE plpgsql VOLATILE
     AS $body$
 DECLARE
     released boolean := pg_catalog.pg_advisory_unlock(sem_key, lane);
 BEGIN
-    PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
+    IF pg_catalog.pg_try_advisory_lock(sem_key, -1) THEN
+        PERFORM pg_catalog.pg_advisory_unlock(sem_key, -1);
+    ELSE
+        PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
+    END IF;
     RETURN released;
 END
 $body$;

@@ -501,3 +501,25 @@ def test_member_alive_locks_keep_their_kind(dsn: str) -> None:
 
     kinds = asyncio.run(run())
     assert kinds and ("semaphore",) not in kinds
+
+
+async def test_a_holder_on_a_pool_of_one_refuses_a_wait_at_once(dsn: str) -> None:
+    """Small pools: a wait needs a connection of its own, which a pool of one
+    cannot lend; the holder says so at once instead of waiting out the pool."""
+    name = unique("sem-pool1")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    other = await asyncpg.connect(dsn)
+    try:
+        async with pgcoord.LockHolder(pool) as holder:
+            async with holder.semaphore(name, limit=1, wait=False):
+                pass  # a free slot rides on the main connection
+            async with pgcoord.semaphore(other, name, limit=1):
+                started = time.monotonic()
+                with pytest.raises(pgcoord.PoolExhausted):
+                    async with holder.semaphore(name, limit=1, timeout=30):
+                        pass
+                assert time.monotonic() - started < 2
+    finally:
+        await other.close()
+        await pool.close()
+    assert _semaphore_locks(dsn, name) == 0
