@@ -22,14 +22,14 @@ import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 from . import _errmap, metrics, semaphores
 from ._aio import CleanupTimeout, absorb_cancel, finish_despite_cancel
-from ._listen import listen
 from ._queries import query
-from ._semwait import CHANNEL
+from ._semwait import CHANNEL, purge_backlog
 from .errors import LockLost, PgcoordError
 from .semaphores import SEMAPHORE_RECHECK, SemaphoreRequest
 
@@ -51,19 +51,58 @@ _held_lanes: dict[Any, collections.Counter[tuple[int, int]]] = {}
 _try_locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
+def _session_of(carrier: Carrier) -> Any:
+    """The driver connection behind a carrier: holders on one member share it. An
+    asyncpg pool's proxy stands for its Connection (which takes weak references)."""
+    conn = carrier.conn.conn
+    return getattr(conn, "_con", None) or conn
+
+
 def _lanes_of(carrier: Carrier, key: int) -> list[int]:
-    held = _held_lanes.get(carrier.conn.conn)
+    held = _held_lanes.get(_session_of(carrier))
     return [] if not held else [lane for (k, lane), n in held.items() if k == key and n]
 
 
 def _note(carrier: Carrier, key: int, lane: int, delta: int) -> None:
-    conn = carrier.conn.conn
+    conn = _session_of(carrier)
     held = _held_lanes.setdefault(conn, collections.Counter())
     held[(key, lane)] += delta
     if held[(key, lane)] <= 0:
         del held[(key, lane)]
     if not held:
         del _held_lanes[conn]
+
+
+async def _listen(carrier: Carrier, callback: Callable[[str], None]) -> Callable[[], Awaitable[None]]:
+    """LISTEN on the waiting connection; returns how to stop hearing (the server's
+    UNLISTEN comes with the statement that got the lane or gave up). A borrowed
+    connection must go back with no listener of ours: asyncpg's pool warns of one."""
+    driver = carrier.conn.conn
+    if type(driver).__module__.partition(".")[0] == "asyncpg":
+        def on_asyncpg(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            callback(payload)
+
+        await driver.add_listener(CHANNEL, on_asyncpg)
+
+        async def stop_asyncpg() -> None:
+            if not carrier.lost and not driver.is_closed():
+                await driver.remove_listener(CHANNEL, on_asyncpg)  # one more UNLISTEN
+
+        return stop_asyncpg
+
+    def on_psycopg(notify: Any) -> None:
+        if notify.channel == CHANNEL:
+            callback(notify.payload)
+
+    driver.add_notify_handler(on_psycopg)
+    await carrier.conn.execute(f"LISTEN {CHANNEL}")
+
+    async def stop_psycopg() -> None:
+        with contextlib.suppress(ValueError):
+            driver.remove_notify_handler(on_psycopg)
+        purge_backlog(driver)
+
+    return stop_psycopg
 
 
 class HeldSemaphore:
@@ -185,7 +224,7 @@ class HeldSemaphore:
         key, limit = self.request.key, self.request.limit
         if (self.request.name, limit) not in semaphores.recorded:
             await self._record(main)
-        conn = main.conn.conn
+        conn = _session_of(main)
         lock = _try_locks.get(conn)
         if lock is None:
             lock = _try_locks[conn] = asyncio.Lock()
@@ -207,8 +246,9 @@ class HeldSemaphore:
             if payload == str(request.key):
                 woken.set()
 
+        stop_listening = None
         try:
-            await listen(carrier.conn, CHANNEL, on_notify)
+            stop_listening = await _listen(carrier, on_notify)
             enter = True
             while True:
                 lane = await carrier.call(query("semaphore_wait_try"), request.key,
@@ -216,7 +256,8 @@ class HeldSemaphore:
                 enter = False
                 if lane is not None:
                     _note(carrier, request.key, int(lane), +1)
-                    return carrier, int(lane)  # the server stopped listening with it
+                    await stop_listening()  # the server stopped with the try that got it
+                    return carrier, int(lane)
                 pause = SEMAPHORE_RECHECK
                 if deadline is not None:
                     pause = min(pause, deadline - time.monotonic())
@@ -226,7 +267,7 @@ class HeldSemaphore:
                     await asyncio.wait_for(woken.wait(), pause)
                 woken.clear()
         except BaseException as exc:
-            await self._give_up(carrier)
+            await self._give_up(carrier, stop_listening)
             if isinstance(exc, PgcoordError | asyncio.CancelledError):
                 raise
             if carrier.lost:
@@ -234,17 +275,26 @@ class HeldSemaphore:
                                f"{carrier.lost_reason}") from exc
             request.raise_translated(exc)
 
-    async def _give_up(self, carrier: Carrier) -> None:
+    async def _give_up(
+        self, carrier: Carrier, stop_listening: Callable[[], Awaitable[None]] | None,
+    ) -> None:
         """Stop listening (a borrowed connection goes back without a LISTEN), then
         give the waiting connection back, which releases its locks; bounded."""
         if not carrier.lost:
             try:
-                await finish_despite_cancel(
-                    carrier.call(query("semaphore_wait_abandon"), self.request.key),
-                    bound=self.holder._cleanup_bound, on_timeout=carrier.overran)
+                await finish_despite_cancel(self._abandon(carrier, stop_listening),
+                                            bound=self.holder._cleanup_bound,
+                                            on_timeout=carrier.overran)
             except (CleanupTimeout, Exception) as exc:
                 carrier.mark_lost(f"leaving a semaphore wait failed: {exc!r}")
         await self.holder._retire(carrier)
+
+    async def _abandon(
+        self, carrier: Carrier, stop_listening: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        await carrier.call(query("semaphore_wait_abandon"), self.request.key)
+        if stop_listening is not None:
+            await stop_listening()
 
     # -- releasing ---------------------------------------------------------------------
 

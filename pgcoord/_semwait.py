@@ -49,7 +49,7 @@ class _Wake:
             self.woken = True
 
 
-def _purge_backlog(conn: Any) -> None:
+def purge_backlog(conn: Any) -> None:
     """psycopg 3.3 keeps notifications that arrive outside ``notifies()`` for a
     later ``notifies()`` call: ours must not reach the connection's next user."""
     backlog = getattr(conn, "_notifies_backlog", None)
@@ -170,7 +170,7 @@ class AsyncLaneConn:
         else:
             with contextlib.suppress(ValueError):
                 self.conn.remove_notify_handler(self._on_psycopg)
-            _purge_backlog(self.conn)
+            purge_backlog(self.conn)
 
 
 class SyncLaneConn:
@@ -219,4 +219,4 @@ class SyncLaneConn:
         self._listening = False
         with contextlib.suppress(ValueError):
             self.conn.remove_notify_handler(self._wake.psycopg)
-        _purge_backlog(self.conn)
+        purge_backlog(self.conn)

@@ -523,3 +523,50 @@ async def test_a_holder_on_a_pool_of_one_refuses_a_wait_at_once(dsn: str) -> Non
         await other.close()
         await pool.close()
     assert _semaphore_locks(dsn, name) == 0
+
+
+@pytest.mark.parametrize("kind", ASYNC_POOLS)
+async def test_a_waiting_connection_borrowed_from_a_pool_goes_back_clean(
+    dsn: str, kind: str,
+) -> None:
+    """holder.semaphore() waits on a connection borrowed from the holder's pool,
+    which goes back with no lock, no LISTEN and no listener of ours (asyncpg's
+    pool warns of a listener left on a connection released to it)."""
+    import warnings
+
+    name = unique("sem-borrowed")
+    blocker = await asyncpg.connect(dsn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with open_async(kind, dsn, size=2) as pool, pgcoord.LockHolder(pool) as holder:
+            for how in ("granted", "timeout"):
+                release = asyncio.Event()
+
+                async def hold(release: asyncio.Event = release) -> None:
+                    async with pgcoord.semaphore(blocker, name, limit=1):
+                        await release.wait()
+
+                held = asyncio.create_task(hold())
+                await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+                if how == "timeout":
+                    with pytest.raises(pgcoord.LockTimeout):
+                        async with holder.semaphore(name, limit=1, timeout=0.2):
+                            pass
+                    release.set()
+                else:
+                    waiter = asyncio.create_task(_holder_once(holder, name))
+                    await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+                    release.set()
+                    await asyncio.wait_for(waiter, 5)
+                await held
+            await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
+            for _ in range(2):  # every connection of the pool, the borrowed one too
+                async with _checked_out(kind, pool) as conn:
+                    await _assert_clean_async(conn)
+    await blocker.close()
+    assert not [w for w in caught if "listener" in str(w.message)], [str(w.message) for w in caught]
+
+
+async def _holder_once(holder: pgcoord.LockHolder, name: str) -> None:
+    async with holder.semaphore(name, limit=1, timeout=10):
+        pass
