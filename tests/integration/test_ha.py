@@ -156,3 +156,29 @@ def test_doctor_passes_a_synchronous_standby(run: Run) -> None:
     assert run.doctor["replication"].status == "pass"
     assert run.doctor["replication"].detail == "1 standbys, 1 synchronous"
     assert run.doctor["synchronous_commit"].status == "pass"
+
+
+async def test_every_form_of_multi_host_dsn_reaches_the_new_primary(run: Run) -> None:
+    import asyncpg
+    import psycopg
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    pair = run.fleet.pair
+    ask = "select inet_server_port(), pg_is_in_recovery()"
+    want = (pair.standby.port, False)
+    conn = await asyncpg.connect(pair.url())
+    try:
+        assert tuple(await conn.fetchrow(ask)) == want
+    finally:
+        await conn.close()
+    for dsn in (pair.libpq_dsn(), pair.url()):
+        async with await psycopg.AsyncConnection.connect(dsn) as pconn:
+            assert await (await pconn.execute(ask)).fetchone() == want
+    for driver in ("asyncpg", "psycopg"):
+        engine = create_async_engine(pair.sqlalchemy_url(driver=driver))
+        try:
+            async with engine.connect() as sconn:
+                assert tuple((await sconn.execute(text(ask))).one()) == want
+        finally:
+            await engine.dispose()
