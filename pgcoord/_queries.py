@@ -34,7 +34,10 @@ def parse(text: str) -> dict[str, str]:
     return queries
 
 
-_FILES = ("queries.sql", "member_queries.sql", "partition_queries.sql", "schedule_queries.sql")
+_FILES = (
+    "queries.sql", "member_queries.sql", "partition_queries.sql", "testing_queries.sql",
+    "schedule_queries.sql",
+)
 
 
 @cache

@@ -114,3 +114,11 @@ def sql(dsn: str, statement: str, *params: object) -> list[tuple[object, ...]]:
 def unique(prefix: str) -> str:
     """A name no other test uses: tests share one database."""
     return f"{prefix}:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def pgcoord_server(pg_server: Server) -> dict[str, str]:
+    """pgcoord.testing's fixtures make their databases on this suite's server."""
+    p = pg_server.params
+    return {"host": p.get("host", "127.0.0.1"), "port": p.get("port", "5432"),
+            "user": p.get("user", "postgres"), "password": p.get("password", "")}

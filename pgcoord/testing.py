@@ -1,0 +1,216 @@
+"""``pgcoord.testing``: a pytest plugin for code that uses pgcoord.
+
+Installed with pgcoord (entry point ``pytest11``), it costs nothing until a test
+asks for one of its fixtures:
+
+* ``pgcoord_dsn``: the URL of a throwaway database with pgcoord's schema installed,
+  one per test (made from a template, so each costs a ``CREATE DATABASE``). The
+  server is ``PGCOORD_TEST_DSN`` (a superuser URL) when set, else one started from
+  the PostgreSQL binaries on the machine for the session (as the ``postgres``
+  user when the tests run as root, since initdb refuses root).
+* ``pgcoord_server``: that server's connection parameters (a dict).
+
+And helpers that make a service's elected, leased or locked code face the
+failures it must survive, deterministically:
+
+* ``await take_leadership(dsn, name)``: an outsider takes lease ``name`` now; a
+  leader of yours loses it at its next renewal and its fence is stale at once,
+  followers of yours stay followers. ``await release_leadership(dsn, name)``
+  hands it back to your electors.
+* ``await lose_session(dsn, obj)``: the server session behind an ``Elector``,
+  ``Member`` or ``LockHolder`` is terminated (``pg_terminate_backend``), as when a
+  connection dies: locks held on it are lost, a leader on it steps down.
+* ``pause(seconds)``: this process stops for ``seconds`` (its event loop included),
+  as in a long GC pause or a SIGSTOP; ``pause_past_ttl(obj)`` pauses just past the
+  ttl of an ``Elector`` or ``Member``, long enough for the server to end its
+  silent session and for another replica to take over.
+* ``await wait_until(predicate, within)``: poll a condition, for asserting
+  what your code did afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+from ._holderconn import DsnSource
+from ._queries import query
+
+__all__ = [
+    "lose_session",
+    "pause",
+    "pause_past_ttl",
+    "pgcoord_dsn",
+    "pgcoord_server",
+    "release_leadership",
+    "take_leadership",
+    "wait_until",
+]
+
+ENV_DSN = "PGCOORD_TEST_DSN"
+OUTSIDER = "pgcoord.testing"
+
+
+def _params(url: str) -> dict[str, str]:
+    parts = urlsplit(url)
+    return {
+        "host": parts.hostname or "127.0.0.1", "port": str(parts.port or 5432),
+        "user": unquote(parts.username or "postgres"), "password": unquote(parts.password or ""),
+    }
+
+
+def _url(params: dict[str, str], dbname: str) -> str:
+    auth = params["user"] + (f":{params['password']}" if params.get("password") else "")
+    return f"postgresql://{auth}@{params['host']}:{params['port']}/{dbname}"
+
+
+def _janitor(params: dict[str, str], dbname: str, template: str | None = None) -> Any:
+    try:
+        from pytest_postgresql.janitor import DatabaseJanitor
+    except ImportError as exc:  # pragma: no cover - depends on the user's environment
+        raise RuntimeError("pgcoord_dsn needs pytest-postgresql and psycopg: "
+                           "pip install 'pgcoord[testing]'") from exc
+    return DatabaseJanitor(user=params["user"], host=params["host"], port=params["port"],
+                           password=params.get("password") or None, dbname=dbname,
+                           template_dbname=template)
+
+
+@pytest.fixture(scope="session")
+def pgcoord_server() -> Iterator[dict[str, str]]:
+    """Connection parameters (host, port, user, password) of the test server."""
+    if external := os.environ.get(ENV_DSN):
+        yield _params(external)
+        return
+    from ._embedded import EmbeddedServer
+
+    server = EmbeddedServer().start()
+    try:
+        yield {"host": "127.0.0.1", "port": str(server.port), "user": "postgres", "password": ""}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def _pgcoord_template(pgcoord_server: dict[str, str]) -> Iterator[str]:
+    import pgcoord.migrations
+
+    name = f"pgcoord_template_{uuid.uuid4().hex[:8]}"
+    janitor = _janitor(pgcoord_server, name)
+    janitor.init()
+    try:
+        pgcoord.migrations.upgrade(_url(pgcoord_server, name))
+        yield name
+    finally:
+        janitor.drop()
+
+
+@pytest.fixture
+def pgcoord_dsn(pgcoord_server: dict[str, str], _pgcoord_template: str) -> Iterator[str]:
+    """A database of this test's own with pgcoord's schema at head; dropped after."""
+    name = f"pgcoord_{uuid.uuid4().hex[:10]}"
+    janitor = _janitor(pgcoord_server, name, template=_pgcoord_template)
+    janitor.init()
+    try:
+        yield _url(pgcoord_server, name)
+    finally:
+        janitor.drop()
+
+
+# -- failures on demand -------------------------------------------------------------------
+
+
+async def _run(dsn: str, name: str, *args: Any) -> Any:
+    conn = await DsnSource(dsn, None, keepalive=5.0).open()
+    try:
+        return await conn.fetchval(query(name), *args)
+    finally:
+        await conn.close_now()
+
+
+async def take_leadership(dsn: str, name: str, *, holder: str = OUTSIDER, ttl: float = 3600.0) -> int:
+    """An outsider takes lease ``name`` now, whoever holds it; returns its fence.
+
+    Your leader's fence is stale from this moment (``check_fence`` raises), and it
+    steps down at its next renewal (``LeaseLost``); your followers stay followers
+    until ``release_leadership``."""
+    return int(await _run(dsn, "testing_take_lease", name, holder, int(ttl * 1000)))
+
+
+async def release_leadership(dsn: str, name: str, *, holder: str = OUTSIDER) -> bool:
+    """The outsider gives lease ``name`` up: your electors campaign at once."""
+    return bool(await _run(dsn, "testing_release_lease", name, holder))
+
+
+def _backend_pid(obj: Any) -> int:
+    from .elector import Elector
+    from .member import Member
+    from .session import LockHolder
+
+    pid: Any = None
+    if isinstance(obj, Member):
+        main = obj._main
+        pid = None if main is None else main.backend_pid
+    elif isinstance(obj, Elector):
+        member = obj._member
+        if member is not None:
+            return _backend_pid(member)
+        conn = obj._conn
+        pid = None if conn is None else conn.backend_pid
+    elif isinstance(obj, LockHolder):
+        pid = obj.backend_pid
+    else:
+        raise TypeError(f"lose_session takes an Elector, a Member or a LockHolder, not {type(obj).__name__}")
+    if not isinstance(pid, int):
+        raise RuntimeError(f"{type(obj).__name__} has no session right now (not started, or reconnecting)")
+    return pid
+
+
+async def lose_session(dsn: str, obj: Any) -> int:
+    """Terminate the server session behind ``obj`` (an ``Elector``, a ``Member`` or
+    a ``LockHolder``, which must be running); returns the pid that was ended."""
+    pid = _backend_pid(obj)
+    await _run(dsn, "testing_terminate", pid)
+    return pid
+
+
+def pause(seconds: float) -> None:
+    """Stop this whole process for ``seconds``, event loop included (a long GC pause,
+    a SIGSTOP): nothing of it runs meanwhile, while the server and other
+    processes go on. Call it from the event loop's thread to pause your electors."""
+    time.sleep(seconds)
+
+
+def pause_past_ttl(obj: Any, *, factor: float = 1.2) -> float:
+    """``pause`` for ``factor`` x the ttl of an ``Elector`` or ``Member``: long enough
+    for the server to end a silent session (0.9 x ttl) and for a lease to expire.
+    Returns the seconds paused."""
+    ttl = getattr(obj, "ttl", None)
+    if not isinstance(ttl, int | float):
+        raise TypeError(f"pause_past_ttl takes an Elector or a Member, not {type(obj).__name__}")
+    seconds = float(ttl) * factor
+    pause(seconds)
+    return seconds
+
+
+async def wait_until(predicate: Callable[[], Any | Awaitable[Any]], within: float = 5.0,
+                     interval: float = 0.02) -> Any:
+    """Poll ``predicate`` (a function, or an async one) until it returns something
+    true, and return that; ``AssertionError`` after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not true within {within} s: {predicate!r}")
+        await asyncio.sleep(interval)
