@@ -60,7 +60,7 @@ def _clip(text: str, width: int) -> str:
 
 
 # (title, width); NAME takes whatever the terminal leaves.
-COLUMNS = (("KIND", 8), ("NAME", 0), ("HOLDER", 18), ("STATE", 7), ("AGE", 6), ("LEFT", 6),
+COLUMNS = (("KIND", 9), ("NAME", 0), ("HOLDER", 18), ("STATE", 7), ("AGE", 6), ("LEFT", 6),
            ("FENCE", 5))
 
 
