@@ -23,6 +23,7 @@ __all__ = [
     "leadership",
     "lock_lost",
     "lock_wait",
+    "parts_owned",
     "renewal",
 ]
 
@@ -54,6 +55,8 @@ def _prometheus() -> dict[str, Any] | None:
         "lost": prom.Counter("pgcoord_locks_lost", "Locks and leases lost while held", ["name"]),
         # By handler, not by schedule: schedules added at run time (one per
         # tenant) would make the label set unbounded.
+        "parts_owned": prom.Gauge("pgcoord_parts_owned", "Parts of a Partitions this replica "
+                                  "owns", ["name"]),
         "jobs_failing": prom.Gauge("pgcoord_jobs_failing", "Schedules run by this replica with "
                                    "no success in their last K expected slots", ["handler"]),
     }
@@ -137,3 +140,9 @@ def job_recovered(name: str, handler: str) -> None:
 def jobs_failing(handler: str, count: int) -> None:
     if _prometheus() is not None:
         _child("jobs_failing", handler).set(count)
+
+
+def parts_owned(name: str, count: int) -> None:
+    _emit("parts_owned", name, count=count)
+    if (prom := _prometheus()) is not None:
+        prom["parts_owned"].labels(name).set(count)

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _errmap
+from . import _errmap, metrics
 from ._aio import finish_despite_cancel
 from ._assignment import balanced
 from ._keys import lock_key
@@ -239,6 +239,7 @@ class Partitions:
                     await self._forget_all()
                     if lost:
                         self._held.clear()
+                        metrics.parts_owned(self.name, 0)
                         log.info("partitions %r: the member's session was lost; parts dropped", self.name)
                         failures = 0
                         await asyncio.sleep(random.uniform(0.0, 0.02))
@@ -376,6 +377,7 @@ class Partitions:
             held.task = asyncio.create_task(self._supervise(part), name=f"pgcoord-part:{part.name}")
             held.task.add_done_callback(lambda _t: self._news.set())
         if taken:
+            metrics.parts_owned(self.name, len(self._held))
             log.info("partitions %r: %s claimed parts %s", self.name, self._holder,
                      sorted(int(i) for i, _f in taken))
             if self._renew_at == 0.0 or len(taken) == len(self._held):
@@ -412,6 +414,7 @@ class Partitions:
         for h in parts:
             self._held.pop(h.part.index, None)
             self._unowned(session, h.part.index)
+        metrics.parts_owned(self.name, len(self._held))
         log.info("partitions %r: %s gave up parts %s", self.name, self._holder,
                  sorted(h.part.index for h in parts))
 
@@ -461,6 +464,7 @@ class Partitions:
                 await finish_despite_cancel(self._give_up(session))
             session.terminate()
         self._held.clear()
+        metrics.parts_owned(self.name, 0)
 
     async def _give_up(self, session: MemberSession) -> None:
         """Give up every part this session holds, including any whose claim was cut
@@ -471,6 +475,7 @@ class Partitions:
         for index in list(self._held):
             self._unowned(session, index)
         self._held.clear()
+        metrics.parts_owned(self.name, 0)
         if member_id is not None:
             key = (self._participation_key(member_id), False)
             if session.owned.get(key):
@@ -487,4 +492,5 @@ class Partitions:
                 log.warning("partitions %r: giving up parts failed: %r", self.name, exc)
             session.terminate()
         self._held.clear()
+        metrics.parts_owned(self.name, 0)
 
