@@ -195,14 +195,23 @@ class ConnectionSource(ABC):
 
 class DsnSource(ConnectionSource):
     def __init__(self, dsn: str, driver: str | None, keepalive: float) -> None:
+        # asyncpg reads only URLs; libpq (psycopg) also reads key=value strings, such as
+        # the multi-host "host=a,b port=5432,5432 target_session_attrs=read-write".
+        is_url = "://" in dsn
         if driver is None:
             driver = next(
-                (d for d in ("asyncpg", "psycopg") if importlib.util.find_spec(d) is not None), None
+                (d for d in (("asyncpg", "psycopg") if is_url else ("psycopg",))
+                 if importlib.util.find_spec(d) is not None), None
             )
             if driver is None:
-                raise UnsupportedConnection("LockHolder(dsn) needs asyncpg or psycopg installed")
+                raise UnsupportedConnection(
+                    "LockHolder(dsn) needs asyncpg or psycopg installed" if is_url else
+                    "a key=value DSN needs psycopg installed (asyncpg reads only postgresql:// URLs)")
         if driver not in ("asyncpg", "psycopg"):
             raise ValueError(f"driver must be 'asyncpg' or 'psycopg', not {driver!r}")
+        if driver == "asyncpg" and not is_url:
+            raise ValueError("asyncpg reads only postgresql:// URLs, not key=value DSNs: pass the "
+                             "URL form (postgresql://user@host1:5432,host2:5432/db?...) or driver='psycopg'")
         self.dsn, self.driver, self.keepalive = dsn, driver, keepalive
 
     async def open(self) -> HolderConnection:

@@ -63,6 +63,25 @@ def _head() -> str:
     return max(m.group(1) for m in numbers if m)
 
 
+_SERVICE_GRANT = re.compile(
+    r"^GRANT\s+(?P<privileges>[\w\s,]+?)\s+ON\s+(?:(?P<kind>SCHEMA|SEQUENCE|TABLE)\s+)?"
+    r"(?P<objects>[\w.,\s]+?)\s+TO\s+pgcoord_service\s*;", re.IGNORECASE | re.MULTILINE)
+
+
+@cache
+def service_grants() -> tuple[list[str], list[str], list[str]]:
+    """sql/roles.sql's grants to the service role, as (kinds, objects, privileges):
+    read from the file itself, so that a grant added there is checked here too."""
+    kinds, objects, privileges = [], [], []
+    for m in _SERVICE_GRANT.finditer(read_sql("roles.sql")):
+        for obj in (o.strip() for o in m["objects"].split(",")):
+            for privilege in (p.strip().upper() for p in m["privileges"].split(",")):
+                kinds.append((m["kind"] or "table").lower())
+                objects.append(obj)
+                privileges.append(privilege)
+    return kinds, objects, privileges
+
+
 # -- the checks, each on what the server told ---------------------------------------------
 
 def check_version(num: int, text: str) -> Check:
@@ -197,7 +216,8 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
     checks.append(check_schema(bool(installed), bool(readable), schema_version, _head()))
     if installed:
         role = role or str(user)
-        superuser, missing = await conn.fetchrow(_q("doctor_missing_privileges"), role)  # type: ignore[misc]
+        superuser, missing = await conn.fetchrow(_q("doctor_missing_privileges"), role,  # type: ignore[misc]
+                                                 *service_grants())
         checks.append(check_privileges(role, superuser, missing))
     capacity, advisory, max_conn, reserved, clients = await conn.fetchrow(_q("doctor_capacity"))  # type: ignore[misc]
     checks.append(check_locks(int(capacity), int(advisory), locks))

@@ -51,34 +51,23 @@ SELECT count(*),
 FROM pg_catalog.pg_stat_replication
 
 -- name: doctor_missing_privileges
--- Whether role $1 exists and is a superuser (NULL: no such role), and what sql/roles.sql
--- grants a service role that it lacks, as 'PRIVILEGE on object, ...' or NULL. Objects
--- of revisions not installed are skipped (found in the catalog, by oid: by name, a role
--- without USAGE on the schema would see none of them).
+-- Whether role $1 exists and is a superuser (NULL: no such role), and which of the
+-- grants ($2 kinds, $3 objects, $4 privileges: sql/roles.sql's service grants, read by
+-- doctor.py) it lacks, as 'PRIVILEGE on object, ...' or NULL. Objects of revisions not
+-- installed are skipped. Found in the catalog by name and checked by oid: by name, a
+-- role without USAGE on the schema would see none of them.
 WITH r AS (SELECT CAST($1 AS text) AS role)
 SELECT (SELECT rolsuper FROM pg_catalog.pg_roles, r WHERE rolname = r.role),
-       (SELECT pg_catalog.string_agg(g.privilege || ' on pgcoord' || COALESCE('.' || g.object, ''),
-                                     ', ')
-        FROM r, (VALUES
-            ('schema', NULL, 'USAGE'),
-            ('table', 'lock_names', 'SELECT'), ('table', 'lock_names', 'INSERT'),
-            ('table', 'leases', 'SELECT'), ('table', 'leases', 'INSERT'),
-            ('table', 'leases', 'UPDATE'),
-            ('table', 'jobs', 'SELECT'), ('table', 'jobs', 'INSERT'), ('table', 'jobs', 'UPDATE'),
-            ('table', 'job_slots', 'SELECT'), ('table', 'job_slots', 'INSERT'),
-            ('table', 'job_slots', 'UPDATE'), ('table', 'job_slots', 'DELETE'),
-            ('table', 'holders', 'SELECT'),
-            ('table', 'member_sessions', 'SELECT'), ('table', 'member_sessions', 'INSERT'),
-            ('table', 'member_sessions', 'UPDATE'), ('table', 'member_sessions', 'DELETE'),
-            ('sequence', 'member_ids', 'USAGE'),
-            ('table', 'members', 'SELECT')
-        ) AS g(kind, object, privilege)
+       (SELECT pg_catalog.string_agg(g.privilege || ' on ' || g.object, ', ')
+        FROM r, ROWS FROM (pg_catalog.unnest(CAST($2 AS text[])), pg_catalog.unnest(CAST($3 AS text[])),
+                           pg_catalog.unnest(CAST($4 AS text[]))) AS g(kind, object, privilege)
         LEFT JOIN pg_catalog.pg_class AS c
-          ON c.relname = g.object
-         AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = 'pgcoord')
+          ON c.relname = pg_catalog.split_part(g.object, '.', 2)
+         AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                               WHERE nspname = pg_catalog.split_part(g.object, '.', 1))
         WHERE EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r.role)
           AND CASE g.kind
-            WHEN 'schema' THEN NOT pg_catalog.has_schema_privilege(r.role, 'pgcoord', g.privilege)
+            WHEN 'schema' THEN NOT pg_catalog.has_schema_privilege(r.role, g.object, g.privilege)
             WHEN 'sequence' THEN c.oid IS NOT NULL
                 AND NOT pg_catalog.has_sequence_privilege(r.role, c.oid, g.privilege)
             ELSE c.oid IS NOT NULL AND NOT pg_catalog.has_table_privilege(r.role, c.oid, g.privilege)

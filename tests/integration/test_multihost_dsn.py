@@ -1,0 +1,78 @@
+"""Multi-host DSNs, in every form a user may write them, for every feature that takes
+a DSN. The first host listed refuses connections (port 1), as a dead primary does;
+the failover itself is in test_ha.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import pgcoord
+import pgcoord.migrations
+from pgcoord.cli import main
+
+from .conftest import sql, unique
+
+
+def _port_and_db(dsn: str) -> tuple[str, str]:
+    params = conninfo_to_dict(dsn)
+    return str(params["port"]), str(params["dbname"])
+
+
+def key_value(dsn: str) -> str:
+    port, db = _port_and_db(dsn)
+    return make_conninfo("", host="127.0.0.1,127.0.0.1", port=f"1,{port}", user="postgres",
+                         dbname=db, target_session_attrs="read-write")
+
+
+def url(dsn: str) -> str:
+    port, db = _port_and_db(dsn)
+    return f"postgresql://postgres@127.0.0.1:1,127.0.0.1:{port}/{db}?target_session_attrs=read-write"
+
+
+@pytest.mark.parametrize("form", ["key=value", "url"])
+async def test_session_features_reach_the_server_through_a_multi_host_dsn(dsn: str, form: str) -> None:
+    # No driver= given: a key=value DSN goes to psycopg (asyncpg reads only URLs),
+    # a URL to asyncpg when it is installed.
+    multi = key_value(dsn) if form == "key=value" else url(dsn)
+    name = unique("multihost")
+    led = [asyncio.Event(), asyncio.Event()]
+
+    def leader(i: int) -> Callable[[int], Awaitable[None]]:
+        async def lead(fence: int) -> None:
+            led[i].set()
+            await asyncio.Event().wait()
+        return lead
+
+    async with pgcoord.Member(multi, group=name) as member:
+        electors = [pgcoord.Elector(multi, name + ":own", ttl=5), pgcoord.Elector(member, name, ttl=5)]
+        tasks = [asyncio.create_task(e.run(leader(i))) for i, e in enumerate(electors)]
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.gather(*(event.wait() for event in led))
+            async with pgcoord.LockHolder(multi) as holder, holder.lock(name):
+                assert sql(dsn, "select count(*) from pgcoord.holders where name = %s and granted",
+                           name)[0][0] >= 1
+        finally:
+            for e in electors:
+                await e.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_asyncpg_refuses_a_key_value_dsn_at_once(dsn: str) -> None:
+    with pytest.raises(ValueError, match="asyncpg reads only postgresql:// URLs"):
+        pgcoord.LockHolder(key_value(dsn), driver="asyncpg")
+    with pytest.raises(ValueError, match="asyncpg reads only"):
+        pgcoord.Elector(key_value(dsn), "x", driver="asyncpg")
+
+
+def test_migrate_takes_a_multi_host_url(fresh_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert pgcoord.migrations.sqlalchemy_url(
+        "postgresql://u:p@a:1,b:2/db?target_session_attrs=read-write"
+    ) == "postgresql+psycopg://u:p@/db?target_session_attrs=read-write&host=a:1&host=b:2"
+    assert main(["migrate", "--dsn", url(fresh_db)]) == 0
+    assert f"-> {pgcoord.migrations.head()}" in capsys.readouterr().out
+    assert pgcoord.migrations.current(url(fresh_db)) == pgcoord.migrations.head()
