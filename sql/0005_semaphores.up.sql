@@ -12,8 +12,9 @@
 -- is k, and each release sends one. While it waits it holds the shared lock
 -- (k, -1), the *waiting room*, so that pgcoord.holders can show it.
 --
--- Two names whose keys collide share lanes: each then admits at most
--- min(its limit, the other's) holders together with the other, never more.
+-- Two names whose keys collide share lanes: each still admits at most its own
+-- limit (its holders hold lanes below it), but may wait for lanes the other
+-- holds. A collision can lower concurrency, never raise it.
 
 CREATE TABLE pgcoord.semaphores (
     name       text PRIMARY KEY,
