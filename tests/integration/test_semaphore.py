@@ -570,3 +570,41 @@ async def test_a_waiting_connection_borrowed_from_a_pool_goes_back_clean(
 async def _holder_once(holder: pgcoord.LockHolder, name: str) -> None:
     async with holder.semaphore(name, limit=1, timeout=10):
         pass
+
+
+@pytest.mark.usefixtures("no_recheck")
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool", "sa-async-psycopg"])
+async def test_a_failing_commit_frees_the_slot_wakes_a_waiter_and_gives_back_clean(
+    dsn: str, kind: str,
+) -> None:
+    """A deferred constraint fails the COMMIT: the caller gets its error, the slot
+    is free, a waiter is told (the NOTIFY queued with the acquire was lost with
+    the transaction; pgcoord sends it after its rollback) and the connection goes
+    back with no transaction, lock or LISTEN."""
+    name, table = unique("sem-commit"), f"sem_deferred_{unique('t').split(':')[1]}"
+    sql(dsn, f"create table {table} (x int unique deferrable initially deferred)")
+    waiter_conn = await asyncpg.connect(dsn)
+    async with open_async(kind, dsn, size=1) as source:
+        release = asyncio.Event()
+
+        async def failing_holder() -> None:
+            async with pgcoord.semaphore(source, name, limit=1) as conn:
+                await release.wait()
+                stmt = f"insert into {table} values (1), (1)"
+                if hasattr(conn, "exec_driver_sql"):
+                    await conn.exec_driver_sql(stmt)
+                else:
+                    await conn.execute(stmt)
+
+        held = asyncio.create_task(failing_holder())
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+        waiter = asyncio.create_task(_hold_once(waiter_conn, name))
+        await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+        release.set()
+        with pytest.raises(Exception, match=r"(?i)unique|duplicate"):
+            await held
+        await asyncio.wait_for(waiter, 5)
+        async with _checked_out(kind, source) as conn:
+            await _assert_clean_async(conn)
+    await waiter_conn.close()
+    assert _semaphore_locks(dsn, name) == 0
