@@ -608,3 +608,28 @@ async def test_a_failing_commit_frees_the_slot_wakes_a_waiter_and_gives_back_cle
             await _assert_clean_async(conn)
     await waiter_conn.close()
     assert _semaphore_locks(dsn, name) == 0
+
+
+async def test_cancelling_a_holder_wait_leaves_nothing_behind(dsn: str) -> None:
+    name = unique("sem-holder-cancel")
+    blocker = await asyncpg.connect(dsn)
+    async with pgcoord.LockHolder(dsn, max_wait_connections=1) as holder:
+        async with pgcoord.semaphore(blocker, name, limit=1):
+            waiter = asyncio.create_task(_holder_once(holder, name))
+            await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert [g for _, _, g in _lanes(dsn, name)] == [True]
+            # the waiting connection was given back: a new wait may take one
+            with pytest.raises(pgcoord.LockTimeout):
+                await _holder_once_within(holder, name, 0.1)
+        async with holder.semaphore(name, limit=1, wait=False):
+            pass
+    await blocker.close()
+    assert _semaphore_locks(dsn, name) == 0
+
+
+async def _holder_once_within(holder: pgcoord.LockHolder, name: str, seconds: float) -> None:
+    async with holder.semaphore(name, limit=1, timeout=seconds):
+        pass
