@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACKED = ("sqlalchemy", "asyncpg", "psycopg", "psycopg-binary", "psycopg-pool", "alembic",
-           "cronsim", "prometheus-client")
+           "cronsim", "prometheus-client", "opentelemetry-api", "opentelemetry-sdk")
 
 
 def _norm(name: str) -> str:

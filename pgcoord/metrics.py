@@ -1,8 +1,11 @@
 """The diagnostic signals of leases, electors and locks.
 
 Every signal is a structured log record on the ``pgcoord.metrics`` logger
-(fields in ``record.pgcoord``), and, when ``prometheus_client`` is installed, a
-Prometheus metric in its default registry. Labels are lease or lock *names*
+(fields in ``record.pgcoord``); when ``prometheus_client`` is installed, a
+Prometheus metric in its default registry; and when ``opentelemetry-api`` is
+installed, an OTel instrument and, for lock waits, leadership terms and slot
+runs, a span (``pgcoord._otel``), exported wherever the application's SDK sends
+them. Labels are lease or lock *names*
 only, never keys or holders, so cardinality stays bounded by your code.
 """
 
@@ -11,6 +14,8 @@ from __future__ import annotations
 import logging
 from functools import cache
 from typing import Any
+
+from . import _otel
 
 log = logging.getLogger("pgcoord.metrics")
 
@@ -25,6 +30,8 @@ __all__ = [
     "lock_wait",
     "parts_owned",
     "renewal",
+    "slot_finished",
+    "slot_started",
 ]
 
 
@@ -93,6 +100,8 @@ def leadership(name: str, is_leader: bool, fence: int | None) -> None:
         prom["is_leader"].labels(name).set(1 if is_leader else 0)
         prom["fence"].labels(name).set(fence if is_leader and fence is not None else 0)
         prom["changes"].labels(name).inc()
+    if (otel := _otel.sink()) is not None:
+        otel.leadership(name, is_leader, fence)
 
 
 def renewal(name: str, latency: float, gap: float) -> None:
@@ -100,12 +109,16 @@ def renewal(name: str, latency: float, gap: float) -> None:
     if (prom := _prometheus()) is not None:
         prom["renew_latency"].labels(name).observe(latency)
         prom["renew_gap"].labels(name).set(gap)
+    if (otel := _otel.sink()) is not None:
+        otel.renewal(name, latency, gap)
 
 
 def fence_rejected(name: str, fence: int) -> None:
     _emit("fence_rejected", name, logging.INFO, fence=fence)
     if (prom := _prometheus()) is not None:
         prom["fence_rejections"].labels(name).inc()
+    if (otel := _otel.sink()) is not None:
+        otel.fence_rejected(name, fence)
 
 
 def lock_wait(name: str, seconds: float) -> None:
@@ -114,18 +127,24 @@ def lock_wait(name: str, seconds: float) -> None:
         _emit("lock_granted", name, waited=round(seconds, 6))
     if _prometheus() is not None:
         _child("lock_wait", name).observe(seconds)
+    if (otel := _otel.sink()) is not None:
+        otel.lock_wait(name, seconds)
 
 
 def busy(name: str) -> None:
     _emit("lock_busy", name)
     if _prometheus() is not None:
         _child("busy", name).inc()
+    if (otel := _otel.sink()) is not None:
+        otel.busy(name)
 
 
 def lock_lost(name: str, reason: str) -> None:
     _emit("lock_lost", name, logging.INFO, reason=reason)
     if (prom := _prometheus()) is not None:
         prom["lost"].labels(name).inc()
+    if (otel := _otel.sink()) is not None:
+        otel.lock_lost(name, reason)
 
 
 def job_failing(name: str, handler: str, expected: int) -> None:
@@ -140,9 +159,24 @@ def job_recovered(name: str, handler: str) -> None:
 def jobs_failing(handler: str, count: int) -> None:
     if _prometheus() is not None:
         _child("jobs_failing", handler).set(count)
+    if (otel := _otel.sink()) is not None:
+        otel.jobs_failing(handler, count)
 
 
 def parts_owned(name: str, count: int) -> None:
     _emit("parts_owned", name, count=count)
     if (prom := _prometheus()) is not None:
         prom["parts_owned"].labels(name).set(count)
+    if (otel := _otel.sink()) is not None:
+        otel.parts_owned(name, count)
+
+
+def slot_started(job: str, at: str, attempt: int, runner: str) -> None:
+    if (otel := _otel.sink()) is not None:
+        otel.slot_started(job, at, attempt, runner)
+
+
+def slot_finished(job: str, at: str, outcome: str, seconds: float, handler: str) -> None:
+    _emit("slot_finished", job, at=at, outcome=outcome, seconds=round(seconds, 6), handler=handler)
+    if (otel := _otel.sink()) is not None:
+        otel.slot_finished(job, at, outcome, seconds, handler)
