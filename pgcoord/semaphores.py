@@ -21,7 +21,8 @@ LISTENs, enters the *waiting room* (the shared session lock ``(k, -1)``, which
 ``pgcoord.holders`` shows as a waiter), takes a lane at session level when one is
 free, stops listening, and only then BEGINs and turns that lane into the
 transaction's. The connection goes back with no LISTEN, no lock and no
-transaction on every path.
+transaction on every path. The ``with`` half (sync sources) is in
+``_semaphoresync``, this class's base.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Any, NoReturn
 
 from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, finish_despite_cancel
-from ._drivers import check_source, release_async, release_sync, tx_session
+from ._drivers import check_source, release_async, tx_session
 from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
-from ._drivers.release import _discard_sync, _watchdog
 from ._keys import semaphore_key
 from ._queries import query
-from ._semwait import AsyncLaneConn, SyncLaneConn, driver_connection
+from ._semaphoresync import SyncSemaphore
+from ._semwait import AsyncLaneConn, driver_connection
 from .errors import LockBusy, LockTableFull, LockTimeout, PgcoordError, SchemaMissing
 from .locks import DEAD_POOLED_RETRIES
 
@@ -166,7 +167,7 @@ def _request(name: str, limit: int, wait: bool, timeout: float | None) -> Semaph
     return SemaphoreRequest(name, limit=limit, wait=wait, timeout=timeout)
 
 
-class Semaphore:
+class Semaphore(SyncSemaphore):
     """The context manager returned by :func:`semaphore`. Single use at a time."""
 
     def __init__(self, source: Any, request: SemaphoreRequest) -> None:
@@ -365,151 +366,3 @@ class Semaphore:
         await session.rollback()
         lanes = AsyncLaneConn(driver_connection(session), self.request.key)
         await lanes.fetchval(query("semaphore_notify"), str(self.request.key))
-
-    # -- sync ------------------------------------------------------------------
-
-    def __enter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
-        started = time.monotonic()
-        deadline = self._deadline(started)
-        while True:
-            session = self._start(want_async=False)
-            assert isinstance(session, SyncTxSession)
-            try:
-                conn = session.checkout()
-            except BaseException:
-                self._session = None
-                raise
-            try:
-                self._joined = session.in_transaction()
-                if self._needs_record():
-                    self._record_sync(session)
-                if self._joined:
-                    self._take_joined_sync(session, deadline)
-                else:
-                    self._take_sync(session, deadline)
-            except BaseException as exc:
-                self._session = None
-                release_sync(session, rollback=not self._joined)
-                if retries and self._found_dead(session, exc):
-                    retries -= 1
-                    log.info("pgcoord: a pooled connection was closed by the server (%r); "
-                             "trying another", exc)
-                    continue
-                self.request.raise_translated(exc)
-            break
-        self.wait_seconds = time.monotonic() - started
-        metrics.lock_wait(self.request.name, self.wait_seconds)
-        return conn
-
-    def _record_sync(self, session: SyncTxSession) -> None:
-        try:
-            session.run_autocommit(query("semaphore_record"), self._record_params())
-        except Exception as exc:
-            if _errmap.session_gone(exc):
-                raise
-            log.debug("semaphore %r not recorded: %s", self.request.name, exc)
-        recorded.add((self.request.name, self.request.limit))
-
-    def _take_joined_sync(self, session: SyncTxSession, deadline: float | None) -> None:
-        pause = _JOINED_FIRST_PAUSE
-        while True:
-            try:
-                session.lock_in_savepoint(self.request.joined_take)
-                return
-            except Exception as exc:
-                if not (self.request.must_wait
-                        and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
-                    raise
-            time.sleep(self._pause(pause, deadline))
-            pause = min(pause * 2, SEMAPHORE_RECHECK)
-
-    def _take_sync(self, session: SyncTxSession, deadline: float | None) -> None:
-        request = self.request
-        try:
-            session.begin_locked(request.take)
-            return
-        except Exception as exc:
-            if not (request.must_wait and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
-                raise
-        session.rollback()
-        lanes = SyncLaneConn(driver_connection(session), request.key)
-        try:
-            lane = self._wait_sync(lanes, deadline)
-            session.begin_locked(request.adopt(lane))
-        except BaseException:
-            self._abandon_sync(session, lanes)
-            raise
-
-    def _wait_sync(self, lanes: SyncLaneConn, deadline: float | None) -> int:
-        request = self.request
-        lanes.listen()
-        enter = True
-        while True:
-            lane = lanes.fetchval(query("semaphore_wait_try"), request.key, request.limit,
-                                  enter, None)
-            enter = False
-            if lane is not None:
-                lanes.forget()
-                return int(lane)
-            pause = SEMAPHORE_RECHECK
-            if deadline is not None:
-                pause = min(pause, deadline - time.monotonic())
-                if pause <= 0:
-                    raise request.timed_out()
-            lanes.wait(pause)
-
-    def _abandon_sync(self, session: SyncTxSession, lanes: SyncLaneConn) -> None:
-        """``_abandon_async`` for a sync connection: past CLEANUP_TIMEOUT the shared
-        watchdog shuts its socket down, so the statement returns with an error and
-        the connection is discarded."""
-        guard = _watchdog.guard(CLEANUP_TIMEOUT, session.sever)
-        try:
-            if session.in_transaction():
-                session.rollback()
-            lanes.fetchval(query("semaphore_wait_abandon"), self.request.key)
-            lanes.forget()
-        except Exception as exc:
-            log.warning("pgcoord: discarding the connection after a failed semaphore cleanup: %r",
-                        exc)
-            _discard_sync(session)
-        finally:
-            if guard.stop():
-                _discard_sync(session)
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        session, self._session = self._session, None
-        assert isinstance(session, SyncTxSession)
-        if self._joined:
-            return
-        if exc_type is not None:
-            self._end_rolled_back_sync(session)
-            return
-        if not session.in_transaction():
-            release_sync(session, rollback=True)
-            raise self.request.ended_early()
-        try:
-            session.commit()
-        except BaseException:
-            self._end_rolled_back_sync(session)
-            raise
-        release_sync(session, rollback=False)
-
-    def _end_rolled_back_sync(self, session: SyncTxSession) -> None:
-        """``_end_rolled_back_async`` for a sync connection, watched as ``_abandon_sync``."""
-        done = False
-        guard = _watchdog.guard(CLEANUP_TIMEOUT, session.sever)
-        try:
-            session.rollback()
-            lanes = SyncLaneConn(driver_connection(session), self.request.key)
-            lanes.fetchval(query("semaphore_notify"), str(self.request.key))
-            done = True
-        except Exception as exc:
-            log.warning("pgcoord: semaphore release after a rollback failed: %r", exc)
-        finally:
-            if guard.stop():
-                done = False
-            release_sync(session, rollback=not done)
