@@ -118,12 +118,28 @@ class SyncSemaphore:
                 raise
         session.rollback()
         lanes = SyncLaneConn(driver_connection(session), request.key)
+        if lanes.behind_pooler():
+            self._retry_sync(session, deadline)
+            return
         try:
             lane = self._wait_sync(lanes, deadline)
             session.begin_locked(request.adopt(lane))
         except BaseException:
             self._abandon_sync(session, lanes)
             raise
+
+    def _retry_sync(self, session: SyncTxSession, deadline: float | None) -> None:
+        pause = _sem._JOINED_FIRST_PAUSE
+        while True:
+            time.sleep(self._pause(pause, deadline))
+            pause = min(pause * 2, _sem.SEMAPHORE_RECHECK)
+            try:
+                session.begin_locked(self.request.take)
+                return
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_BUSY:
+                    raise
+            session.rollback()
 
     def _wait_sync(self, lanes: SyncLaneConn, deadline: float | None) -> int:
         request = self.request

@@ -22,6 +22,7 @@ from ._queries import to_pyformat
 
 CHANNEL = "pgcoord_semaphores"
 _LISTEN = f"LISTEN {CHANNEL}"
+_BACKEND_PID = "SELECT pg_catalog.pg_backend_pid()"
 
 
 def driver_connection(session: Any) -> Any:
@@ -119,6 +120,18 @@ class AsyncLaneConn:
             if switched and not conn.closed:
                 await conn.set_autocommit(False)
 
+    def announced_pid(self) -> int:
+        """The server process id announced at connect (a pooler announces its own)."""
+        if self.module == "asyncpg":
+            return int(self.conn.get_server_pid())
+        return int(self.conn.info.backend_pid)
+
+    async def behind_pooler(self) -> bool:
+        """Whether a pooler stands between us and the server: then the next
+        statement may run on another server session, and nothing may be left
+        at session level (see pgcoord.semaphores)."""
+        return bool(await self.fetchval(_BACKEND_PID) != self.announced_pid())
+
     async def listen(self) -> None:
         if self.module == "asyncpg":
             await self.conn.add_listener(CHANNEL, self._on_asyncpg)
@@ -195,6 +208,9 @@ class SyncLaneConn:
         finally:
             if switched and not conn.closed:
                 conn.autocommit = False
+
+    def behind_pooler(self) -> bool:
+        return bool(self.fetchval(_BACKEND_PID) != int(self.conn.info.backend_pid))
 
     def listen(self) -> None:
         self.conn.add_notify_handler(self._wake.psycopg)

@@ -58,8 +58,10 @@ SEMAPHORE_RECHECK = 0.5
 MAX_LIMIT = 10_000
 
 # A waiter in the caller's own transaction cannot LISTEN (that would take effect
-# at the caller's commit): it tries again after these pauses, doubling up to
-# SEMAPHORE_RECHECK.
+# at the caller's commit), and one behind a pooler (the server announced at
+# connect is not the one that answers) cannot rely on any session-level state
+# (LISTEN, the waiting room, a lane) staying on its server session: both try
+# again after these pauses, doubling up to SEMAPHORE_RECHECK.
 _JOINED_FIRST_PAUSE = 0.005
 
 # (name, limit) pairs recorded in pgcoord.semaphores by this process.
@@ -276,12 +278,30 @@ class Semaphore(SyncSemaphore):
                 raise
         await session.rollback()
         lanes = AsyncLaneConn(driver_connection(session), request.key)
+        if await lanes.behind_pooler():
+            await self._retry_async(session, deadline)
+            return
         try:
             lane = await self._wait_async(lanes, deadline)
             await session.begin_locked(request.adopt(lane))
         except BaseException:
             await self._abandon_async(session, lanes)
             raise
+
+    async def _retry_async(self, session: AsyncTxSession, deadline: float | None) -> None:
+        """Behind a pooler: whole transactions tried again after growing pauses,
+        with nothing held at session level between them."""
+        pause = _JOINED_FIRST_PAUSE
+        while True:
+            await asyncio.sleep(self._pause(pause, deadline))
+            pause = min(pause * 2, SEMAPHORE_RECHECK)
+            try:
+                await session.begin_locked(self.request.take)
+                return
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_BUSY:
+                    raise
+            await session.rollback()
 
     async def _wait_async(self, lanes: AsyncLaneConn, deadline: float | None) -> int:
         """Listen, enter the waiting room, and try on every notification (and every

@@ -22,7 +22,7 @@ def find_pgbouncer() -> str:
 
 
 class PgBouncer:
-    def __init__(self, server_port: int, pool_mode: str = "transaction") -> None:
+    def __init__(self, server_port: int, pool_mode: str = "transaction", extra: str = "") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pgcoord-pgbouncer-"))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -44,7 +44,7 @@ default_pool_size = 4
 ignore_startup_parameters = extra_float_digits
 logfile = {self.dir}/pgbouncer.log
 pidfile = {self.dir}/pgbouncer.pid
-"""
+{extra}"""
         )
         kwargs: dict[str, object] = {}
         if os.geteuid() == 0:  # pgbouncer refuses to run as root

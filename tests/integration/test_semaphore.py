@@ -633,3 +633,46 @@ async def test_cancelling_a_holder_wait_leaves_nothing_behind(dsn: str) -> None:
 async def _holder_once_within(holder: pgcoord.LockHolder, name: str, seconds: float) -> None:
     async with holder.semaphore(name, limit=1, timeout=seconds):
         pass
+
+
+async def test_a_wait_behind_a_transaction_mode_pooler_leaves_no_session_lock(dsn: str) -> None:
+    """Behind PgBouncer in transaction mode each statement may run on another
+    server session, so a wait must hold nothing at session level (a lane or the
+    waiting room left on some server session would stay there): it retries whole
+    transactions instead, and nothing is left once it is over."""
+    import psycopg_pool
+
+    from .pgbouncer import PgBouncer
+
+    name = unique("sem-pooler")
+    # Several server sessions, used in turn: consecutive statements of one client
+    # land on different ones, as they may under load.
+    bouncer = PgBouncer(int(dsn.rsplit(":", 1)[1].split("/")[0]),
+                        extra="server_round_robin = 1\nmin_pool_size = 3\n")
+    blocker = await asyncpg.connect(dsn)
+    try:
+        async with psycopg_pool.AsyncConnectionPool(
+            bouncer.dsn(dsn), min_size=1, max_size=2, open=False,
+            kwargs={"prepare_threshold": None},
+        ) as pool:
+            release = asyncio.Event()
+
+            async def hold() -> None:
+                async with pgcoord.semaphore(blocker, name, limit=1):
+                    await release.wait()
+
+            held = asyncio.create_task(hold())
+            await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+            waiter = asyncio.create_task(_hold_once(pool, name))
+            await asyncio.sleep(0.3)
+            assert not waiter.done()
+            release.set()
+            await asyncio.wait_for(asyncio.gather(held, waiter), 5)
+            with pytest.raises(pgcoord.LockTimeout):
+                async with pgcoord.semaphore(blocker, name, limit=1), \
+                        pgcoord.semaphore(pool, name, limit=1, timeout=0.3):
+                    pass
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
+    finally:
+        await blocker.close()
+        bouncer.stop()
