@@ -676,3 +676,20 @@ async def test_a_wait_behind_a_transaction_mode_pooler_leaves_no_session_lock(ds
     finally:
         await blocker.close()
         bouncer.stop()
+
+
+async def test_without_the_schema_a_semaphore_says_how_to_install_it(fresh_db: str) -> None:
+    pool = await asyncpg.create_pool(fresh_db, min_size=1, max_size=1)
+    try:
+        with pytest.raises(pgcoord.SchemaMissing, match="migrate"):
+            async with pgcoord.semaphore(pool, "no-schema", limit=1):
+                pass
+        async with pool.acquire() as conn:  # the connection went back usable
+            assert not conn.is_in_transaction()
+            assert await conn.fetchval("select 1") == 1
+        async with pgcoord.LockHolder(fresh_db) as holder:
+            with pytest.raises(pgcoord.SchemaMissing):
+                async with holder.semaphore("no-schema", limit=1):
+                    pass
+    finally:
+        await pool.close()
