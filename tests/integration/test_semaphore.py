@@ -693,3 +693,35 @@ async def test_without_the_schema_a_semaphore_says_how_to_install_it(fresh_db: s
                     pass
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_cancelling_during_commit_frees_the_slot(dsn: str, kind: str) -> None:
+    """A COMMIT that runs a slow deferred trigger is cancelled: the caller gets its
+    CancelledError, the slot is freed whatever the server made of the COMMIT, and
+    the pool's connection is clean (or was closed)."""
+    name, table = unique("sem-cancel-commit"), f"sem_slow_{unique('t').split(':')[1]}"
+    sql(dsn, f"create table {table} (x int)")
+    sql(dsn, f"create function {table}_slow() returns trigger language plpgsql"
+             " as $$ begin perform pg_sleep(3); return null; end $$")
+    sql(dsn, f"create constraint trigger slow after insert on {table}"
+             f" deferrable initially deferred for each row execute function {table}_slow()")
+    async with open_async(kind, dsn, size=1) as source:
+        async def body() -> None:
+            async with pgcoord.semaphore(source, name, limit=1) as conn:
+                await conn.execute(f"insert into {table} values (1)")
+
+        task = asyncio.create_task(body())
+        await _wait_until(lambda: bool(sql(
+            dsn, "select 1 from pg_stat_activity where query ilike 'commit%%'"
+                 " and state = 'active'")))
+        task.cancel()
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - started < 6  # bounded by the cleanup's 5 s
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 10)
+        async with pgcoord.semaphore(source, name, limit=1, timeout=5) as conn:
+            pass
+        async with _checked_out(kind, source) as conn:
+            await _assert_clean_async(conn)
