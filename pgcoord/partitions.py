@@ -36,6 +36,7 @@ import json
 import logging
 import random
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from ._aio import finish_despite_cancel
 from ._assignment import balanced
 from ._keys import lock_key
 from ._queries import query
-from .errors import SchemaMissing, UnsupportedConnection
+from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from .leases import trust_margin, validate_ttl
 from .member import SessionLost
 
@@ -58,7 +59,14 @@ log = logging.getLogger("pgcoord.partitions")
 
 PARTS_CHANNEL = "pgcoord_partitions"
 LEASE_CHANNEL = "pgcoord_leases"
-MAX_COUNT = 65536
+# Each claim, renewal and look is one statement on the member's shared session:
+# bounded so that none of them holds it long (claims also go in batches).
+MAX_COUNT = 4096
+CLAIM_BATCH = 256
+# A part held FOR SHARE by a fenced write is renewed by a statement that waits
+# for that transaction at most this long (on the shared session), then again soon.
+BUSY_RENEW_WAIT_MS = 100
+BUSY_RENEW_AGAIN = 0.05
 # An own() that raised is started again after this long, doubling to the max,
 # while its part stays ours.
 RESTART_FIRST = 1.0
@@ -94,6 +102,11 @@ class _Held:
 
 class _SessionGone(Exception):
     pass
+
+
+# Names of the partitionings running on each member: one per name, since two would
+# share the member's session, its doorbells and its participation lock.
+_running_on: weakref.WeakKeyDictionary[Member, set[str]] = weakref.WeakKeyDictionary()
 
 
 def _validate(member: Any, name: Any, count: Any) -> None:
@@ -139,6 +152,7 @@ class Partitions:
         self._renew_at = 0.0
         self._own: Own | None = None
         self._session_id: int | None = None  # the member id of the session we serve on
+        self._mismatch_logged = -60.0
 
     # -- what users read --------------------------------------------------------------
 
@@ -153,7 +167,10 @@ class Partitions:
         """Who owns each owned part now, ``{index: member name}``, read from the
         database (parts being handed over or not yet claimed are absent)."""
         await self.member.wait_joined()
-        state = await self._state(self.member.session())
+        try:
+            state = await self._state(self.member.session())
+        except SessionLost as exc:
+            raise PgcoordError(f"partitions {self.name!r}: the member has no session right now") from exc
         return {index: holder.rpartition("/")[0] for index, holder in state[1].items()}
 
     def _part_name(self, index: int) -> str:
@@ -192,39 +209,45 @@ class Partitions:
         self._news.set()
         for held in self._held.values():
             held.trust_until = 0.0
-            if held.task is not None:
-                held.task.cancel()
+            _cancel_once(held.task)
 
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self, own: Own) -> None:
         """Own parts until cancelled: returns only by cancellation (or raises
-        ``SchemaMissing`` / ``UnsupportedConnection``). On the way out every
-        ``own()`` is cancelled and awaited, then every part is given up."""
+        ``SchemaMissing``, ``UnsupportedConnection``, or ``RuntimeError`` when the
+        member is closed under it: cancel ``run()`` before closing its member). On
+        the way out every ``own()`` is cancelled and awaited, however long it takes
+        (the next owner must not start before it ends), then every part is given up."""
         if not callable(own):
             raise TypeError("own must be an async function taking a Partition")
         if self._running:
             raise RuntimeError(f"Partitions {self.name!r} is already running")
+        names = _running_on.setdefault(self.member, set())
+        if self.name in names:
+            raise RuntimeError(f"another Partitions {self.name!r} already runs on this member")
+        names.add(self.name)
         self._running, self._own = True, own
         member = self.member
-        unhooks = [
-            member.on_member_left(lambda _id: self._news.set()),
-            member.on_session_lost(self._on_session_lost),
-            await member.listen(PARTS_CHANNEL, self._on_parts_news),
-            await member.listen(LEASE_CHANNEL, self._on_lease_news),
-        ]
+        unhooks: list[Callable[[], None]] = []
         session: MemberSession | None = None
+        watchdog: asyncio.Task[None] | None = None
         failures = 0
         try:
+            unhooks += [member.on_member_left(lambda _id: self._news.set()),
+                        member.on_session_lost(self._on_session_lost)]
+            unhooks.append(await member.listen(PARTS_CHANNEL, self._on_parts_news))
+            unhooks.append(await member.listen(LEASE_CHANNEL, self._on_lease_news))
+            watchdog = asyncio.create_task(self._watchdog(), name=f"pgcoord-parts-watchdog:{self.name}")
             while True:
-                await member.wait_joined()
+                await self._wait_joined()
                 if member.polling:
                     raise UnsupportedConnection(
                         "Partitions needs a session (an owner's death must free its parts at once); "
                         "this member is behind a transaction-mode pooler")
                 try:
                     session = member.session()
-                except Exception:  # joining again right now
+                except SessionLost:  # joining again right now
                     await asyncio.sleep(0.05)
                     continue
                 try:
@@ -236,12 +259,13 @@ class Partitions:
                     if isinstance(mapped, SchemaMissing):
                         raise mapped from exc
                     lost = self._lost.is_set() or isinstance(exc, SessionLost | _SessionGone)
-                    await self._forget_all()
+                    await finish_despite_cancel(self._stop_tasks(), bound=None)
                     if lost:
                         self._held.clear()
                         metrics.parts_owned(self.name, 0)
                         log.info("partitions %r: the member's session was lost; parts dropped", self.name)
                         failures = 0
+                        session = None
                         await asyncio.sleep(random.uniform(0.0, 0.02))
                         continue
                     failures += 1
@@ -253,8 +277,42 @@ class Partitions:
         finally:
             for unhook in unhooks:
                 unhook()
-            await finish_despite_cancel(self._shutdown(session))
-            self._running = False
+            if watchdog is not None:
+                watchdog.cancel()
+                await finish_despite_cancel(asyncio.gather(watchdog, return_exceptions=True))
+            try:
+                # However long own() takes to finish: its part may not move before.
+                await finish_despite_cancel(self._stop_tasks(), bound=None)
+            finally:
+                await self._shutdown(session)
+                self._running = False
+                names.discard(self.name)
+
+    async def _wait_joined(self) -> None:
+        """Until the member has a session; ``RuntimeError`` once it is closed."""
+        while True:
+            if not self.member._open:
+                raise RuntimeError("the Member was closed under Partitions.run(); cancel run() first")
+            try:
+                await asyncio.wait_for(self.member.wait_joined(), 0.5)
+                return
+            except TimeoutError:
+                continue
+
+    async def _watchdog(self) -> None:
+        """Stop a part's own() the moment its trust window closes, whatever the loop
+        is doing (a statement on the shared session may be slow to answer)."""
+        while True:
+            now = time.monotonic()
+            for held in list(self._held.values()):
+                if not held.draining and held.trust_until <= now:
+                    if held.trust_until > 0.0:
+                        log.warning("partitions %r: part %d not renewed within its trust window; stopping it",
+                                    self.name, held.part.index)
+                    self._drain(held)
+                    self._news.set()
+            upcoming = [h.trust_until for h in self._held.values() if not h.draining]
+            await asyncio.sleep(min(1.0, max(0.0, min(upcoming, default=now + 1.0) - now)) + 0.001)
 
     async def _call(self, session: MemberSession, name: str, *args: Any) -> Any:
         if self._lost.is_set():
@@ -288,7 +346,7 @@ class Partitions:
                 failures += 1
                 delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
                 log.warning("partitions %r: %r; looking again in %.2fs", self.name, exc, delay)
-                await self._wait(min(time.monotonic() + delay, self._next_deadline()))
+                await self._wait(time.monotonic() + delay)
                 continue
             await self._wait(self._next_deadline())
 
@@ -297,18 +355,17 @@ class Partitions:
 
     async def _state(self, session: MemberSession) -> tuple[list[str], dict[int, str]]:
         state = json.loads(await session.fetchval(query("partition_state"), self.name, self.count))
+        if state.get("beyond") and time.monotonic() >= self._mismatch_logged + 60.0:
+            self._mismatch_logged = time.monotonic()
+            log.error("partitions %r: another member runs it with more than count=%d parts (part %d is "
+                      "owned); every member must use the same count, or some parts are never owned",
+                      self.name, self.count, self.count)
         owners = {int(i): str(holder) for i, holder, _fence in state["owners"]}
         return [str(m) for m in state["members"]], owners
 
     async def _step(self, session: MemberSession) -> None:
         """Look once: drop parts whose trust ran out, give up parts assigned away
         (once their own() has finished), claim parts assigned to us, renew."""
-        now = time.monotonic()
-        for held in self._held.values():
-            if now >= held.trust_until and not held.draining:
-                log.warning("partitions %r: part %d not renewed within its trust window; stopping it",
-                            self.name, held.part.index)
-                self._drain(held)
         members, owners = await self._state(session)
         target = balanced(self.name, self.count, members, owners)
         holder = self._holder
@@ -324,15 +381,14 @@ class Partitions:
         wanted = sorted(index for index, owner in target.items()
                         if owner == holder and index not in self._held
                         and (owners.get(index) not in live or owners.get(index) == holder))
-        if wanted:
-            await self._claim(session, wanted)
+        for start in range(0, len(wanted), CLAIM_BATCH):
+            await self._claim(session, wanted[start:start + CLAIM_BATCH])
         if self._held and time.monotonic() >= self._renew_at:
             await self._renew(session)
 
     def _drain(self, held: _Held) -> None:
         held.draining = True
-        if held.task is not None:
-            held.task.cancel()
+        _cancel_once(held.task)
 
     def _next_deadline(self) -> float:
         now = time.monotonic()
@@ -367,6 +423,8 @@ class Partitions:
                 with contextlib.suppress(Exception):
                     await self._call(session, "partition_unring", self.name, wanted)
             raise
+        if self._lost.is_set():
+            raise _SessionGone("the member's session was lost during a claim")
         taken, _given_back = json.loads(raw)
         trust_until = sent + self._window - trust_margin(self._window)
         for index, fence in taken:
@@ -393,19 +451,40 @@ class Partitions:
                                [h.part.index for h in held], [h.part.fence for h in held],
                                self._holder, int(self.ttl * 1000))
         renewed, ours = (set(map(int, x)) for x in json.loads(raw))
+        self._renewed(held, renewed, ours, sent)
+        self._renew_at = sent + self._window / 3
+        busy = [h for h in held if h.part.index in ours and h.part.index not in renewed]
+        if busy:
+            # Held FOR SHARE by fenced writes right now: wait for the current one (briefly,
+            # on the shared session) rather than skip again, or a part written to without
+            # pause would never be renewed.
+            sent = time.monotonic()
+            try:
+                raw = await self._call(session, "partition_renew_waiting", str(BUSY_RENEW_WAIT_MS), self.name,
+                                       [h.part.index for h in busy], [h.part.fence for h in busy],
+                                       self._holder, int(self.ttl * 1000))
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                    raise
+                self._renew_at = time.monotonic() + BUSY_RENEW_AGAIN
+                return
+            renewed, ours = (set(map(int, x)) for x in json.loads(raw))
+            self._renewed(busy, renewed, ours, sent)
+            if any(h.part.index in ours and h.part.index not in renewed for h in busy):
+                self._renew_at = time.monotonic() + BUSY_RENEW_AGAIN
+
+    def _renewed(self, held: list[_Held], renewed: set[int], ours: set[int], sent: float) -> None:
+        if self._lost.is_set():
+            raise _SessionGone("the member's session was lost during a renewal")
         trust_until = sent + self._window - trust_margin(self._window)
-        lost = []
         for h in held:
             if h.part.index in renewed:
                 h.trust_until = trust_until
             elif h.part.index not in ours:
-                lost.append(h)
-        for h in lost:
-            log.warning("partitions %r: part %d (fence %d) was taken over", self.name, h.part.index,
-                        h.part.fence)
-            h.trust_until = 0.0
-            self._drain(h)
-        self._renew_at = sent + self._window / 3
+                log.warning("partitions %r: part %d (fence %d) was taken over", self.name, h.part.index,
+                            h.part.fence)
+                h.trust_until = 0.0
+                self._drain(h)
 
     async def _release(self, session: MemberSession, parts: list[_Held]) -> None:
         assert self._holder is not None
@@ -443,18 +522,16 @@ class Partitions:
             delay = min(delay * 2, RESTART_MAX)
 
     async def _stop_tasks(self) -> None:
-        tasks = [h.task for h in self._held.values() if h.task is not None and not h.task.done()]
+        """Cancel every own() (once: a second cancel would cut its cleanup short)
+        and wait for each to end, however long, saying so every few seconds."""
+        tasks = {h.task for h in self._held.values() if h.task is not None and not h.task.done()}
         for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _forget_all(self) -> None:
-        """After a lost session or a failed step: stop every own(); what the session
-        held goes with it or is given back by ``_leave_quietly``."""
-        for held in self._held.values():
-            held.trust_until = 0.0
-        await self._stop_tasks()
+            _cancel_once(task)
+        while tasks:
+            _done, tasks = await asyncio.wait(tasks, timeout=5.0)
+            if tasks:
+                log.warning("partitions %r: waiting for %d own() calls to finish after cancellation",
+                            self.name, len(tasks))
 
     async def _leave_quietly(self, session: MemberSession | None) -> None:
         """Give back what this session may still hold, without raising; whatever
@@ -483,14 +560,21 @@ class Partitions:
                 del session.owned[key]
 
     async def _shutdown(self, session: MemberSession | None) -> None:
-        await self._stop_tasks()
-        if session is not None and not self._lost.is_set() and self._holder is not None:
-            try:
-                await self._give_up(session)
-            except Exception as exc:
-                # Whatever is left is unlocked by the member in the background.
-                log.warning("partitions %r: giving up parts failed: %r", self.name, exc)
-            session.terminate()
-        self._held.clear()
-        metrics.parts_owned(self.name, 0)
+        """Give every part up, bounded; whatever is left on the session is unlocked
+        by the member in the background (``terminate``)."""
+        try:
+            if session is not None and not self._lost.is_set() and self._holder is not None:
+                try:
+                    await finish_despite_cancel(self._give_up(session), on_timeout=session.terminate)
+                except Exception as exc:
+                    log.warning("partitions %r: giving up parts failed: %r", self.name, exc)
+        finally:
+            if session is not None:
+                session.terminate()
+            self._held.clear()
+            metrics.parts_owned(self.name, 0)
 
+
+def _cancel_once(task: asyncio.Task[Any] | None) -> None:
+    if task is not None and not task.done() and not task.cancelling():
+        task.cancel()

@@ -56,7 +56,11 @@ SELECT pg_catalog.json_build_object(
     'owners', (SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(g.i, c.holder, c.fence)), '[]'::json)
                FROM p CROSS JOIN pg_catalog.generate_series(0, p.count - 1) AS g(i)
                JOIN pgcoord.leases AS c ON c.name = p.name || '/' || g.i
-               WHERE c.holder IS NOT NULL AND c.expires_at > pg_catalog.clock_timestamp())
+               WHERE c.holder IS NOT NULL AND c.expires_at > pg_catalog.clock_timestamp()),
+    -- The part numbered count itself owned: a member runs this with a larger count.
+    'beyond', (SELECT EXISTS (SELECT 1 FROM pgcoord.leases AS c, p
+                              WHERE c.name = p.name || '/' || p.count AND c.holder IS NOT NULL
+                                AND c.expires_at > pg_catalog.clock_timestamp()))
 )::text
 
 -- name: partition_claim
@@ -75,7 +79,6 @@ free AS MATERIALIZED (
     SELECT c.name FROM pgcoord.leases AS c
     WHERE c.name IN (SELECT lname FROM rung)
       AND (c.holder IS NULL OR c.expires_at <= pg_catalog.clock_timestamp()
-           OR c.holder_pid = pg_catalog.pg_backend_pid()
            OR (c.holder_pid IS NOT NULL AND NOT pgcoord.lease_session_alive(c.name, c.holder_pid)))
     FOR NO KEY UPDATE OF c SKIP LOCKED
 ),
@@ -122,6 +125,37 @@ renewed AS (
            expires_at = pg_catalog.clock_timestamp() + p.ttl_ms * interval '1 millisecond'
       FROM free, p
      WHERE l.name = free.name
+    RETURNING l.name
+)
+SELECT pg_catalog.json_build_array(
+    (SELECT coalesce(pg_catalog.json_agg(o.i), '[]'::json) FROM ours AS o JOIN renewed AS r ON r.name = o.lname),
+    (SELECT coalesce(pg_catalog.json_agg(o.i), '[]'::json) FROM ours AS o)
+)::text
+
+-- name: partition_renew_waiting
+-- partition_renew for parts that were held FOR SHARE (a fenced write in flight):
+-- this one waits for such a transaction, at most $1 ms (the shared session must
+-- not stall), and returns the same [renewed, still ours] pair.
+WITH cfg AS MATERIALIZED (SELECT pg_catalog.set_config('lock_timeout', CAST($1 AS text), true) AS v),
+p AS (SELECT CAST($2 AS text) AS name, CAST($3 AS integer[]) AS idx, CAST($4 AS bigint[]) AS fences,
+             CAST($5 AS text) AS holder, CAST($6 AS bigint) AS ttl_ms),
+mine AS MATERIALIZED (
+    SELECT o.i, p.name || '/' || o.i AS lname, o.f FROM p, ROWS FROM (pg_catalog.unnest(p.idx), pg_catalog.unnest(p.fences)) AS o(i, f)
+),
+ours AS MATERIALIZED (
+    SELECT m.i, m.lname FROM mine AS m JOIN pgcoord.leases AS c ON c.name = m.lname AND c.fence = m.f, p
+    WHERE c.holder = p.holder AND c.expires_at > pg_catalog.clock_timestamp()
+),
+locked AS MATERIALIZED (
+    SELECT c.name FROM pgcoord.leases AS c, cfg WHERE c.name IN (SELECT lname FROM ours)
+    FOR NO KEY UPDATE OF c
+),
+renewed AS (
+    UPDATE pgcoord.leases AS l
+       SET renewed_at = pg_catalog.clock_timestamp(),
+           expires_at = pg_catalog.clock_timestamp() + p.ttl_ms * interval '1 millisecond'
+      FROM locked, p
+     WHERE l.name = locked.name AND l.expires_at > pg_catalog.clock_timestamp()
     RETURNING l.name
 )
 SELECT pg_catalog.json_build_array(

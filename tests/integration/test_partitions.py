@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
 
@@ -98,9 +99,11 @@ async def nodes(dsn: str, parts_name: str, count: int, names: list[str], **kw: A
 
 
 def balanced_over(nodes_: list[Node], count: int) -> bool:
-    sizes = [len(n.parts.owned) for n in nodes_]
+    """Every part's own() runs in exactly one node, and the nodes run ⌊N/M⌋..⌈N/M⌉ each."""
+    sizes = [len(n.running) for n in nodes_]
     m = len(nodes_)
-    return sum(sizes) == count and all(count // m <= s <= -(-count // m) for s in sizes)
+    return (sum(sizes) == count and set().union(*(n.running for n in nodes_)) == set(range(count))
+            and all(count // m <= s <= -(-count // m) for s in sizes))
 
 
 # -- the assignment itself --------------------------------------------------------------------
@@ -150,9 +153,15 @@ async def test_a_lone_member_owns_every_part_and_each_is_fenced(dsn: str, driver
         with psycopg.connect(dsn) as conn, pytest.raises(psycopg.Error, match="stale fence"):
             conn.execute("select pgcoord.check_fence(%s, %s)", (f"{name}/3", fence - 1))
         member_pid = a.member._main.backend_pid  # type: ignore[union-attr]
-    # Stopped: every part given up, every doorbell and the participation lock let go.
-    assert all(h is None for h, _f in lease_rows(dsn, name).values())
-    assert [lock for lock in advisory_locks(dsn) if lock[0] == member_pid] == []
+        assert len([lock for lock in advisory_locks(dsn) if lock[0] == member_pid]) == 1 + 8 + 1
+        # Stopped (the member still open): every part given up, every doorbell and
+        # the participation lock let go; only the member's own alive lock is left.
+        assert a.task is not None
+        a.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await a.task
+        assert all(h is None for h, _f in lease_rows(dsn, name).values())
+        assert len([lock for lock in advisory_locks(dsn) if lock[0] == member_pid]) == 1
     assert [e for e in a.log if e[0] == "end"] and len(a.log) == 16
 
 
@@ -202,9 +211,11 @@ async def test_joins_and_leaves_rebalance_moving_only_what_they_must(dsn: str, d
 async def test_on_a_join_the_old_owner_s_own_finishes_before_the_new_owner_s_starts(dsn: str) -> None:
     name, count = pname(), 6
     log: list[tuple[str, str, int, int, float]] = []
-    async with nodes(dsn, name, count, ["a"], log=log, linger=0.3) as (a,):
+    # The old owner's cleanup outlasts a renewal period (ttl 3: every 0.9 s), so the
+    # part must stay renewed while it is handed over.
+    async with nodes(dsn, name, count, ["a"], log=log, linger=1.2) as (a,):
         await eventually(lambda: len(a.running) == count)
-        async with nodes(dsn, name, count, ["b"], log=log, linger=0.3) as (b,):
+        async with nodes(dsn, name, count, ["b"], log=log, linger=1.2) as (b,):
             await eventually(lambda: balanced_over([a, b], count), timeout=10)
             moved = sorted(b.running)
             assert len(moved) == 3
@@ -219,26 +230,164 @@ async def test_on_a_join_the_old_owner_s_own_finishes_before_the_new_owner_s_sta
 
 @pytest.mark.parametrize("driver", DRIVERS)
 async def test_a_terminated_member_s_parts_are_owned_again_at_once(dsn: str, driver: str) -> None:
+    """ttl 10 s: the parts' periodic look comes every 2.4 s at the soonest, so only the
+    member's crash news can make the takeover as quick as asserted."""
     name, count = pname(), 12
-    async with nodes(dsn, name, count, ["a", "b", "c"], ttl=10.0, driver=driver) as (a, b, c):
+    log: list[tuple[str, str, int, int, float]] = []
+    async with nodes(dsn, name, count, ["a", "b", "c"], ttl=10.0, driver=driver, log=log) as (a, b, c):
         await eventually(lambda: balanced_over([a, b, c], count))
-        orphaned = set(c.running)
-        index = min(orphaned)
-        old_fence = c.parts._held[index].part.fence
+        old = {i: c.parts._held[i].part.fence for i in c.running}
+        index = min(old)
         pid = c.member._main.backend_pid  # type: ignore[union-attr]
         t0 = time.monotonic()
         sql(dsn, "select pg_terminate_backend(%s)", pid)
-        # Far sooner than the ttl of 10 s: the session's end frees the parts.
-        await eventually(lambda: orphaned <= (a.running | b.running), timeout=5.0, what="orphans owned")
-        assert time.monotonic() - t0 < 5.0
+
+        def owned_again() -> bool:  # by anyone, c's next session included, with a greater fence
+            return all(any(kind == "start" and i == part and f > fence for kind, _w, i, f, _t in log)
+                       for part, fence in old.items())
+
+        await eventually(owned_again, timeout=5.0, what="orphans owned again")
+        assert time.monotonic() - t0 < 1.5
         # A write still carrying c's fence (c paused mid-write, say) is rejected.
         with psycopg.connect(dsn) as conn, pytest.raises(pgcoord.StaleFence):
-            pgcoord.check_fence(conn, f"{name}/{index}", old_fence)
+            pgcoord.check_fence(conn, f"{name}/{index}", old[index])
         # c's own() calls were cancelled when its session went; it rejoins under a
         # new id and the parts are balanced over three again.
         await eventually(lambda: balanced_over([a, b, c], count), timeout=10)
         rows = lease_rows(dsn, name)
         assert len({h for h, _f in rows.values()}) == 3
+
+
+async def test_a_part_under_constant_fenced_writes_stays_owned(dsn: str) -> None:
+    """Back-to-back fenced transactions hold the part's row FOR SHARE nearly all the
+    time; renewals must still get through (they wait briefly for the current one)."""
+    name = pname()
+    starts: list[int] = []
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+
+    async def own(part: pgcoord.Partition) -> None:
+        starts.append(part.fence)
+        while True:
+            async with pool.acquire() as conn, conn.transaction():
+                await pgcoord.check_fence(conn, part.name, part.fence)
+                await conn.execute("select pg_sleep(0.03)")
+
+    try:
+        async with pgcoord.Member(dsn, name="busy", ttl=1.5) as member:
+            parts = pgcoord.Partitions(member, name, count=1)
+            task = asyncio.create_task(parts.run(own))
+            await asyncio.sleep(4.0)  # several trust windows (1.35 s)
+            assert starts and len(starts) == 1, f"own() restarted with fences {starts}"
+            assert parts.owned == frozenset({0})
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        await pool.close()
+
+
+async def test_own_cleanups_run_to_their_end(dsn: str) -> None:
+    """A lost session cancels own() once (a second cancel would cut its cleanup), and
+    stopping waits for a cleanup longer than any bound before giving parts up."""
+    name = pname()
+    flushed: list[str] = []
+
+    async def own(part: pgcoord.Partition) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.3)
+            flushed.append(f"session-{part.fence}")
+
+    async with pgcoord.Member(dsn, name="flusher", ttl=3.0) as member:
+        parts = pgcoord.Partitions(member, name, count=2)
+        task = asyncio.create_task(parts.run(own))
+        await eventually(lambda: parts.owned == frozenset({0, 1}))
+        sql(dsn, "select pg_terminate_backend(%s)", member._main.backend_pid)  # type: ignore[union-attr]
+        await eventually(lambda: len(flushed) == 2, what="both cleanups finished")
+        await eventually(lambda: parts.owned == frozenset({0, 1}), timeout=10)  # owned again after the rejoin
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert len(flushed) == 4
+        assert all(h is None for h, _f in lease_rows(dsn, name).values())
+
+
+@pytest.mark.slow
+async def test_stopping_waits_for_an_own_slower_than_the_cleanup_bound(dsn: str) -> None:
+    name = pname()
+    ended: list[float] = []
+
+    async def own(part: pgcoord.Partition) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(5.5)  # past CLEANUP_TIMEOUT (5 s)
+            ended.append(time.monotonic())
+
+    async with pgcoord.Member(dsn, name="slow", ttl=3.0) as member:
+        parts = pgcoord.Partitions(member, name, count=1)
+        task = asyncio.create_task(parts.run(own))
+        await eventually(lambda: parts.owned == frozenset({0}))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert ended
+        pid = member._main.backend_pid  # type: ignore[union-attr]
+        assert lease_rows(dsn, name)[0][0] is None
+        assert len([lock for lock in advisory_locks(dsn) if lock[0] == pid]) == 1  # the alive lock only
+        # It can run again.
+        again = asyncio.create_task(parts.run(own))
+        await eventually(lambda: parts.owned == frozenset({0}))
+        again.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await again
+
+
+async def test_misuse_is_refused_or_loud(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    name = pname()
+
+    async def own(part: pgcoord.Partition) -> None:
+        await asyncio.Event().wait()
+
+    async with pgcoord.Member(dsn, name="m1", ttl=3.0) as m1, pgcoord.Member(dsn, name="m2", ttl=3.0) as m2:
+        first = pgcoord.Partitions(m1, name, count=4)
+        task = asyncio.create_task(first.run(own))
+        await eventually(lambda: first.owned == frozenset(range(4)))
+        # A second partitioning of the same name on the same member.
+        with pytest.raises(RuntimeError, match="already runs on this member"):
+            await pgcoord.Partitions(m1, name, count=4).run(own)
+        # Another member with a larger count: the smaller side says so.
+        bigger = pgcoord.Partitions(m2, name, count=8)
+        other = asyncio.create_task(bigger.run(own))
+        await eventually(lambda: "larger count" in caplog.text or "more than count=4" in caplog.text,
+                         timeout=8, what="the count mismatch logged")
+        for t in (task, other):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+    # run() cancelled before it got going leaves nothing behind and can start again.
+    async with pgcoord.Member(dsn, name="m3", ttl=3.0) as m3:
+        parts = pgcoord.Partitions(m3, name, count=2)
+        early = asyncio.create_task(parts.run(own))
+        await asyncio.sleep(0)
+        early.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await early
+        again = asyncio.create_task(parts.run(own))
+        await eventually(lambda: parts.owned == frozenset({0, 1}))
+        again.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await again
+    # The member closed under run(): run() ends with RuntimeError.
+    member = pgcoord.Member(dsn, name="m4", ttl=3.0)
+    await member.open()
+    parts = pgcoord.Partitions(member, name, count=2)
+    running = asyncio.create_task(parts.run(own))
+    await eventually(lambda: len(parts.owned) == 2)
+    await member.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(running, 5)
 
 
 # -- real processes ---------------------------------------------------------------------------------
@@ -362,7 +511,9 @@ def test_processes_killed_paused_and_joining_never_make_two_owners(dsn: str, wri
 
 @pytest.mark.slow
 def test_two_processes_killed_at_once_leave_no_part_unowned(dsn: str) -> None:
-    fleet = Fleet(dsn, pname(), 16, ttl=5.0)
+    """ttl 30 s: the periodic look comes every 7 s at the soonest, so only the crash
+    news can make this quick."""
+    fleet = Fleet(dsn, pname(), 16, ttl=30.0)
     try:
         for m in ("a", "b", "c", "d"):
             fleet.spawn(m)
@@ -371,7 +522,7 @@ def test_two_processes_killed_at_once_leave_no_part_unowned(dsn: str) -> None:
         fleet.procs["c"].kill()
         fleet.procs["d"].kill()
         fleet.wait_for(lambda: fleet.balanced(["a", "b"]), timeout=5.0, what="balanced over a, b")
-        assert time.monotonic() - killed_at < 5.0  # the ttl: no part waited for its lease to expire
+        assert time.monotonic() - killed_at < 2.0
     finally:
         fleet.stop()
 
