@@ -1,7 +1,7 @@
 """Partitions: how fast a dead member's parts are owned again, and how many parts
 a join or a leave moves against the minimum.
 
-    python bench/partitions.py [--parts 256] [--procs 8] [--rounds 8]
+    python bench/partitions.py [--parts 256] [--procs 8] [--rounds 10]
 
 N processes (tests/integration/partitions_replica.py, member ttl 10 s so that
 nothing but the session's end can free a part early) share the parts. Each
@@ -101,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", type=int, default=256)
     parser.add_argument("--procs", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     from bench._server import bench_database
 
