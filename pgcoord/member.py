@@ -431,6 +431,13 @@ class Member:
                     raise SessionLost(repr(exc)) from exc
                 raise
 
+    @property
+    def has_session(self) -> bool:
+        """True while the member is joined with a live session (for readiness probes):
+        False while it is joining again after a lost session, or closed."""
+        return (self._open and self._main is not None and self.id is not None
+                and self._joined.is_set() and not self._lost.is_set())
+
     def session(self) -> MemberSession:
         """The member's current session, for a feature that runs on it (an
         elector, a lock holder): ``SessionLost`` if there is none right now."""
