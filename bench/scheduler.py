@@ -1,11 +1,13 @@
 """Scheduler latency: from a slot coming due to its start, many replicas and jobs.
 
-    python bench/scheduler.py [--replicas 10] [--jobs 100] [--seconds 15]
+    python bench/scheduler.py [--replicas 10] [--jobs 100] [--seconds 15] [--scale-seconds 30]
 
 Starts REPLICAS processes, each registering the same JOBS per-second jobs
 ("* * * * * *"), lets them run, then reads pgcoord.job_slots: the start delay
 is started_at - slot_at, both on the database clock. Also checks that no slot
-ran twice and every slot has a row.
+ran twice and every slot has a row. Then, on the same server, schedules at
+run time at scale (bench/schedules.py): 10,000 schedules on 4 replicas, spread
+over the minute and in bursts of 10,000 (0 to skip with --scale-seconds 0).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument("--scale-seconds", type=float, default=30)
     parser.add_argument("--replica", nargs=3, metavar=("DSN", "PREFIX", "JOBS"))
     args = parser.parse_args()
     if args.replica:
@@ -89,7 +92,13 @@ def main() -> None:
         print("| slot due to start | p50 | p99 | max |")
         print("|---|---:|---:|---:|")
         print(f"| delay | {pct(delays, .5):,.0f} ms | {pct(delays, .99):,.0f} ms | "
-              f"{max(delays):,.0f} ms |")
+              f"{max(delays):,.0f} ms |\n")
+        if args.scale_seconds > 0:
+            from bench.schedules import run_scale
+
+            for pattern in ("spread", "burst"):
+                run_scale(dsn, seconds=args.scale_seconds, warmup=8, pattern=pattern)
+                print()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result
 from ._cron import Handler, Job, check_expr, check_zone, seconds, slots_between
 from ._drivers import check_source, run_statement
 from ._drivers.capacity import pool_capacity
+from ._finisher import Finisher
 from ._jobalerts import FailingWatch
 from ._keys import lock_key
 from ._queries import query
@@ -65,8 +66,10 @@ UTC = dt.UTC
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
 # Entries per schedule_decide statement: a tick that finds more due (10,000
-# schedules on the same minute) sends several, each bounded in time.
-DECIDE_BATCH = 5000
+# schedules on the same minute) sends several, each bounded in time, in an
+# order of its own, so that racing replicas mostly win different batches and
+# the runs spread over them.
+DECIDE_BATCH = 500
 _TINY = dt.timedelta(microseconds=1)
 BACKFILL_MAX = 10_000  # slots per backfill() call
 # After a failed tick (the database gone, a terminated session) the loop waits
@@ -106,6 +109,22 @@ class Slot:
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
+
+
+#: One slot to decide: (job, at, version, act, reason, on_overlap, claim_ms).
+_Entry = tuple[str, dt.datetime, int, str, str | None, str, int]
+
+
+def _batches(groups: list[list[_Entry]]) -> list[list[_Entry]]:
+    """The entries in batches of about DECIDE_BATCH, a job's entries never split
+    (schedule_decide looks at overlaps within a batch), in a random order."""
+    batches: list[list[_Entry]] = [[]]
+    for group in groups:
+        if batches[-1] and len(batches[-1]) + len(group) > DECIDE_BATCH:
+            batches.append([])
+        batches[-1].extend(group)
+    random.shuffle(batches)
+    return [b for b in batches if b]
 
 
 def _backoff(failures: int) -> float:
@@ -210,6 +229,7 @@ class Scheduler:
         self._last_alert_check = time.monotonic()
         self._alerts = FailingWatch(alert_after)
         self._bad_rows: set[tuple[str, int]] = set()  # rows already logged as unusable
+        self._finisher = Finisher(source)
 
     @property
     def runner(self) -> str:
@@ -408,6 +428,11 @@ class Scheduler:
             except CleanupTimeout:
                 log.warning("scheduler: runs still going %.0f s after being cancelled were left"
                             " behind (their claims expire)", 2 * CLEANUP_TIMEOUT)
+            try:
+                await finish_despite_cancel(self._finisher.close(), bound=CLEANUP_TIMEOUT)
+            except CleanupTimeout:
+                log.warning("scheduler: recording the last runs' ends was abandoned after %.0f s"
+                            " (their claims expire)", CLEANUP_TIMEOUT)
             self._run_task = None
 
     def _hook_member(self) -> Callable[[], None]:
@@ -612,7 +637,7 @@ class Scheduler:
             runner = self.runner
         except _NotJoined:
             return  # the member is (re)joining: claim nothing until it has
-        entries: list[tuple[str, dt.datetime, int, str, str | None, str, int]] = []
+        groups: list[list[_Entry]] = []
         decided: dict[str, dt.datetime] = {}
         for spec in specs:
             todo, last = spec.decide(now)
@@ -626,14 +651,14 @@ class Scheduler:
                     todo = [t for t in todo if t[0] < runs[1]]
                     last = runs[1] - _TINY
             ms = int(spec.claim_ttl * 1000)
-            entries.extend((spec.name, at, spec.version, act, reason, on_overlap, ms)
-                           for at, act, reason in todo)
+            if todo:
+                groups.append([(spec.name, at, spec.version, act, reason, on_overlap, ms)
+                               for at, act, reason in todo])
             decided[spec.name] = last
         by_name = {spec.name: spec for spec in specs}
         waiting: dict[str, dt.datetime] = {}
         stale: set[str] = set()
-        for chunk in range(0, len(entries), DECIDE_BATCH):
-            part = entries[chunk:chunk + DECIDE_BATCH]
+        for part in _batches(groups):
             sent = time.monotonic()
             row = await run_statement(self._source, query("schedule_decide"), (
                 [e[0] for e in part], [e[1] for e in part], [e[2] for e in part],
@@ -898,8 +923,7 @@ class Scheduler:
             # Past the bound the statement is cancelled in its own task (which
             # cancels it on the server and gives its connection back, or
             # discards it); nothing else is ours to close, so no on_timeout.
-            row = await finish_despite_cancel(run_statement(
-                self._source, query("job_finish"),
+            recorded = await finish_despite_cancel(self._finisher.finish(
                 (spec.name, slot.at, run.runner, slot.attempt, outcome, reason, error),
             ), bound=CLEANUP_TIMEOUT)
         except CleanupTimeout:
@@ -909,7 +933,7 @@ class Scheduler:
         except Exception as exc:
             log.warning("job %r slot %s: could not record %s: %r", spec.name, slot.at, outcome, exc)
             return
-        if row is not None and not row[0]:
+        if not recorded:
             log.warning("job %r slot %s attempt %d was taken over; its %s is not recorded",
                         spec.name, slot.at, slot.attempt, outcome)
 

@@ -1,4 +1,5 @@
 -- Reverses 0006.
+DROP FUNCTION pgcoord.schedule_finish(text[], timestamptz[], text[], integer[], text[], text[], text[]);
 DROP FUNCTION pgcoord.schedule_take_owed(text[], bigint[], text);
 DROP FUNCTION pgcoord.schedule_prune(text[], bigint[], integer);
 DROP FUNCTION pgcoord.schedule_recover(text[], bigint[], boolean[], integer[], text);

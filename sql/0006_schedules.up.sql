@@ -329,7 +329,11 @@ CREATE FUNCTION pgcoord.schedule_decide(
 
 -- Claims whose runner stopped heartbeating, for many jobs at once: abandon them,
 -- or (retry) take over the earliest one per job as the next attempt. Returns the
--- slots this runner now runs.
+-- slots this runner now runs. The expired claims are found first (few, from the
+-- partial index of running slots) and the jobs' options looked up by position;
+-- the rows are then updated by ctid. Joining the arrays to job_slots instead lets
+-- the planner, whose statistics lag behind a burst of claims, pick a nested loop
+-- of every running slot against every job (seconds for 10,000 schedules).
 CREATE FUNCTION pgcoord.schedule_recover(
     jobs text[], claim_ms bigint[], retries boolean[], max_attempts integer[], job_runner text
 ) RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
@@ -337,25 +341,27 @@ CREATE FUNCTION pgcoord.schedule_recover(
     AS $body$
         UPDATE pgcoord.job_slots AS s
            SET state = 'abandoned',
-               reason = CASE WHEN u.retry THEN 'runner lost; attempts used up' ELSE 'runner lost' END,
+               reason = CASE WHEN retries[e.p] THEN 'runner lost; attempts used up' ELSE 'runner lost' END,
                finished_at = pg_catalog.clock_timestamp(), claim_expires_at = NULL
-          FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(retries),
-                         pg_catalog.unnest(max_attempts)) AS u(job, retry, max_attempts)
-         WHERE s.job = u.job AND s.state = 'running'
+          FROM (SELECT x.ctid AS id, x.attempt, pg_catalog.array_position(jobs, x.job) AS p
+                FROM pgcoord.job_slots AS x
+                WHERE x.state = 'running' AND x.claim_expires_at < pg_catalog.clock_timestamp()
+                OFFSET 0) AS e
+         WHERE s.ctid = e.id AND e.p IS NOT NULL AND s.state = 'running'
            AND s.claim_expires_at < pg_catalog.clock_timestamp()
-           AND (NOT u.retry OR s.attempt >= u.max_attempts);
+           AND (NOT retries[e.p] OR s.attempt >= max_attempts[e.p]);
         UPDATE pgcoord.job_slots AS s
            SET attempt = s.attempt + 1, runner = job_runner, started_at = pg_catalog.clock_timestamp(),
-               claim_expires_at = pg_catalog.clock_timestamp() + e.claim_ms * interval '1 millisecond'
-          FROM (SELECT DISTINCT ON (x.job) x.job, x.slot_at, u.claim_ms
-                FROM pgcoord.job_slots AS x
-                JOIN ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(claim_ms),
-                               pg_catalog.unnest(retries), pg_catalog.unnest(max_attempts))
-                     AS u(job, claim_ms, retry, max_attempts) ON u.job = x.job
-                WHERE x.state = 'running' AND x.claim_expires_at < pg_catalog.clock_timestamp()
-                  AND u.retry AND x.attempt < u.max_attempts
+               claim_expires_at = pg_catalog.clock_timestamp() + claim_ms[e.p] * interval '1 millisecond'
+          FROM (SELECT DISTINCT ON (x.job) x.ctid AS id, x.p
+                FROM (SELECT y.ctid, y.job, y.slot_at, y.attempt,
+                             pg_catalog.array_position(jobs, y.job) AS p
+                      FROM pgcoord.job_slots AS y
+                      WHERE y.state = 'running' AND y.claim_expires_at < pg_catalog.clock_timestamp()
+                      OFFSET 0) AS x
+                WHERE x.p IS NOT NULL AND retries[x.p] AND x.attempt < max_attempts[x.p]
                 ORDER BY x.job, x.slot_at) AS e
-         WHERE s.job = e.job AND s.slot_at = e.slot_at AND s.state = 'running'
+         WHERE s.ctid = e.id AND s.state = 'running'
            AND s.claim_expires_at < pg_catalog.clock_timestamp()
         RETURNING s.job, s.slot_at, s.attempt
     $body$;
@@ -404,4 +410,44 @@ RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
         JOIN ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(claim_ms)) AS u(job, claim_ms) ON u.job = t.name
         ON CONFLICT (job, slot_at) DO NOTHING
         RETURNING s.job, s.slot_at, s.attempt
+    $body$;
+
+-- Record the ends of many runs at once (job_finish for each entry, in order): a
+-- replica that started 10,000 slots in one tick does not send 10,000 statements
+-- to say how they went. Each row is looked up by its key (a lateral subquery,
+-- so the plan is one index probe per entry whatever the statistics say: they
+-- lag behind a burst of claims) and locked in (job, slot_at) order, so two such
+-- statements (or a recovery pass) cannot deadlock; then updated by ctid.
+-- Returns, per entry in order, whether it was recorded (false: taken over).
+CREATE FUNCTION pgcoord.schedule_finish(
+    jobs text[], ats timestamptz[], runners text[], attempts integer[], final_states text[],
+    final_reasons text[], final_errors text[]
+) RETURNS boolean[]
+    LANGUAGE sql
+    AS $body$
+        WITH u AS (
+            SELECT * FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(ats),
+                                     pg_catalog.unnest(runners), pg_catalog.unnest(attempts),
+                                     pg_catalog.unnest(final_states), pg_catalog.unnest(final_reasons),
+                                     pg_catalog.unnest(final_errors))
+                 WITH ORDINALITY AS u(job, at, runner, attempt, state, reason, error, ord)
+        ), locked AS (
+            SELECT x.id, o.ord, o.state, o.reason, o.error
+            FROM (SELECT * FROM u ORDER BY u.job, u.at) AS o
+            CROSS JOIN LATERAL (
+                SELECT s.ctid AS id FROM pgcoord.job_slots AS s
+                WHERE s.job = o.job AND s.slot_at = o.at AND s.runner = o.runner
+                  AND s.attempt = o.attempt AND s.state = 'running'
+                FOR UPDATE
+            ) AS x
+        ), finished AS (
+            UPDATE pgcoord.job_slots AS s
+               SET state = l.state, reason = l.reason, error = l.error,
+                   finished_at = pg_catalog.clock_timestamp(), claim_expires_at = NULL
+              FROM locked AS l
+             WHERE s.ctid = l.id
+            RETURNING l.ord
+        )
+        SELECT coalesce(pg_catalog.array_agg(f.ord IS NOT NULL ORDER BY u.ord), '{}')
+        FROM u LEFT JOIN finished AS f ON f.ord = u.ord
     $body$;

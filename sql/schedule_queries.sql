@@ -124,3 +124,8 @@ FROM (
 SELECT coalesce(pg_catalog.json_agg(h ORDER BY h.slot_at DESC), '[]')::text
 FROM (SELECT slot_at, manual, state, reason, attempt, runner, started_at, finished_at, error
       FROM pgcoord.job_slots WHERE job = $1 ORDER BY slot_at DESC LIMIT $2) AS h
+
+-- name: schedule_finish
+SELECT pgcoord.schedule_finish(CAST($1 AS text[]), CAST($2 AS timestamptz[]), CAST($3 AS text[]),
+                               CAST($4 AS integer[]), CAST($5 AS text[]), CAST($6 AS text[]),
+                               CAST($7 AS text[]))
