@@ -13,8 +13,9 @@ operator or Patroni would.
 Measured from the kill, on the one machine's clock: the promotion itself (the
 baseline: nothing can write before it), then each feature's first sign of life
 on the new primary — a new leader (plain elector and elector on a member), the
-lease holder's first fenced write accepted (it keeps its lease: the row was
-replicated), every LockHolder body holding its lock again, and the scheduler's
+first fenced write accepted under the lease (its holder usually keeps it: the row
+was replicated; when its pool reconnects too slowly it loses it and the lease is
+taken anew), every LockHolder body holding its lock again, and the scheduler's
 next slot started (slots are whole seconds, so this adds up to 1 s of waiting
 for the slot to come due).
 """
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = (("promotion (the standby takes writes)", "promoted"),
         ("new leader: Elector(dsn)", "elector"),
         ("new leader: Elector(member)", "member-elector"),
-        ("lease holder's first fenced write accepted", "lease"),
+        ("first fenced write accepted under the lease", "lease"),
         ("every LockHolder body holds its lock again", "locks"),
         ("scheduler's next slot started", "slot"))
 

@@ -115,12 +115,13 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
     state: dict[str, Any] = {}
 
     async def fenced_writes(name: str, fence: int) -> None:
-        failing = False
+        failing = True  # until the term's first write is accepted
         while True:
             try:
                 await write(name, fence)
                 if failing:
-                    event("resumed", name, fence)  # the first write accepted after errors
+                    # The term's first write accepted, or the first after errors.
+                    event("resumed", name, fence)
                 failing = False
             except pgcoord.StaleFence:
                 event("rejected", name, fence)
