@@ -28,7 +28,7 @@ from .ha import Event, Fleet, StandbyPair
 TTL = 2.0
 # Time for a client to find the new primary: a refused first host, a failed
 # connect while the standby is still read-only, and pgcoord's back-off.
-RECONNECT = 2.0
+RECONNECT = 3.0
 TERMINAL = {"succeeded", "failed", "abandoned", "missed", "skipped"}
 
 
@@ -118,7 +118,7 @@ def test_one_leader_again_within_ttl_and_reconnect_with_a_greater_fence(run: Run
                       and e.what in ("lead", "cancelled"))
     first = next(e for e in run.events if e.name == name and e.what == "lead" and e.at > run.killed_at)
     assert int(first.fence) > used_before
-    # bench/ha.py measures the real figure (about 0.1 s on loopback).
+    # bench/ha.py measures the real figure: the old lease's expiry (about 1.8 s at ttl 2).
     assert first.at - run.promoted_at < TTL + RECONNECT
     leaders = {label: state[feature] for label, state in run.after.items() if state[feature] is not None}
     assert len(leaders) == 1, f"leaders now: {leaders}"
