@@ -118,6 +118,11 @@ def test_one_leader_again_within_ttl_and_reconnect_with_a_greater_fence(run: Run
                       and e.what in ("lead", "cancelled"))
     first = next(e for e in run.events if e.name == name and e.what == "lead" and e.at > run.killed_at)
     assert int(first.fence) > used_before
+    # Never two leaders: every earlier term's lead() ended before the new one began.
+    ended = [e for e in run.events if e.name == name and e.what == "cancelled"
+             and int(e.fence) <= used_before]
+    assert {int(e.fence) for e in ended} >= {used_before}
+    assert all(e.at < first.at for e in ended)
     # bench/ha.py measures the real figure: the old lease's expiry (about 1.8 s at ttl 2).
     assert first.at - run.promoted_at < TTL + RECONNECT
     leaders = {label: state[feature] for label, state in run.after.items() if state[feature] is not None}
