@@ -363,3 +363,38 @@ async def test_sql_functions_and_the_cli_pause_resume_trigger_and_show_history(
 
 async def _noop(slot: Slot) -> None:
     pass
+
+
+@pytest.mark.parametrize("kind", ["psycopg-pool", "sa-async-asyncpg", "sa-async-psycopg"])
+async def test_every_driver_adds_runs_pauses_and_records_in_batches(dsn: str, kind: str) -> None:
+    from .sources import open_async
+
+    handler, name = unique("h"), unique(f"driver:{kind}")
+    ran: list[Slot] = []
+    async with open_async(kind, dsn) as source:
+        s = Scheduler(source)
+
+        @s.job(handler, claim_ttl=1.0)
+        async def work(slot: Slot) -> None:
+            ran.append(slot)
+            if len(ran) == 2:
+                raise RuntimeError("second run fails")
+
+        await s.add(name, "* * * * * *", handler=handler, args={"kind": kind}, timeout=5)
+        task = asyncio.create_task(s.run())
+        try:
+            await wait_for(lambda: len(ran) >= 3)
+            await s.pause(name)
+            paused_at = db_now(dsn)
+            await asyncio.sleep(1.5)
+            await s.update(name, expr="*/2 * * * * *")
+        finally:
+            await s.stop()
+            await task
+        infos = {i.name: i for i in await s.schedules()}
+    assert ran[0].args == {"kind": kind}
+    found = rows(dsn, name)
+    states = [r[1] for r in found if r[0] <= paused_at]
+    assert states.count("failed") == 1 and states.count("succeeded") >= 2
+    assert [r[2] for r in found if r[0] > paused_at and r[1] == "skipped"] != []
+    assert infos[name].paused and infos[name].expr == "*/2 * * * * *"
