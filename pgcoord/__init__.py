@@ -24,6 +24,7 @@ from .locks import ExclusiveLock, exclusive
 from .member import Member, MemberInfo, MemberJoined, MemberLeft
 from .partitions import Partition, Partitions
 from .scheduler import Scheduler, Slot
+from .schedules import ScheduleInfo
 from .semaphores import Semaphore, semaphore
 from .session import HeldLock, LockHolder
 
@@ -50,6 +51,7 @@ __all__ = [
     "Partitions",
     "PgcoordError",
     "PoolExhausted",
+    "ScheduleInfo",
     "Scheduler",
     "SchemaMissing",
     "Semaphore",

@@ -14,31 +14,33 @@ FROM pgcoord.schedule_epoch AS e
 -- name: schedule_load
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
 -- $2: the names it declared with @sched.cron), column by column, with the latest
--- scheduled slot of each. The counter is read in the same snapshot.
-SELECT e.epoch, pg_catalog.clock_timestamp(),
-       pg_catalog.array_agg(s.name ORDER BY s.name), pg_catalog.array_agg(s.handler ORDER BY s.name),
-       pg_catalog.array_agg(s.expr ORDER BY s.name), pg_catalog.array_agg(s.tz ORDER BY s.name),
-       pg_catalog.array_agg(s.args::text ORDER BY s.name),
-       pg_catalog.array_agg(s.paused ORDER BY s.name),
-       pg_catalog.array_agg(s.on_crash ORDER BY s.name),
-       pg_catalog.array_agg(s.catch_up ORDER BY s.name),
-       pg_catalog.array_agg(s.deadline ORDER BY s.name),
-       pg_catalog.array_agg(s.allow_overlap ORDER BY s.name),
-       pg_catalog.array_agg(s.timeout ORDER BY s.name),
-       pg_catalog.array_agg(s.max_attempts ORDER BY s.name),
-       pg_catalog.array_agg(s.in_code ORDER BY s.name),
-       pg_catalog.array_agg(s.since ORDER BY s.name),
-       pg_catalog.array_agg(s.paused_at ORDER BY s.name),
-       pg_catalog.array_agg(s.resumed_at ORDER BY s.name),
-       pg_catalog.array_agg(s.version ORDER BY s.name),
-       pg_catalog.array_agg(m.last ORDER BY s.name)
+-- scheduled slot of each (NULL arrays for none). The counter is read in the same
+-- snapshot.
+SELECT e.epoch, pg_catalog.clock_timestamp(), a.*
 FROM pgcoord.schedule_epoch AS e
-LEFT JOIN (pgcoord.schedules AS s
-           CROSS JOIN LATERAL (SELECT max(j.slot_at) AS last FROM pgcoord.job_slots AS j
-                               WHERE j.job = s.name AND NOT j.manual) AS m)
-       ON (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+CROSS JOIN LATERAL (
+    SELECT pg_catalog.array_agg(s.name ORDER BY s.name), pg_catalog.array_agg(s.handler ORDER BY s.name),
+           pg_catalog.array_agg(s.expr ORDER BY s.name), pg_catalog.array_agg(s.tz ORDER BY s.name),
+           pg_catalog.array_agg(s.args::text ORDER BY s.name),
+           pg_catalog.array_agg(s.paused ORDER BY s.name),
+           pg_catalog.array_agg(s.on_crash ORDER BY s.name),
+           pg_catalog.array_agg(s.catch_up ORDER BY s.name),
+           pg_catalog.array_agg(s.deadline ORDER BY s.name),
+           pg_catalog.array_agg(s.allow_overlap ORDER BY s.name),
+           pg_catalog.array_agg(s.timeout ORDER BY s.name),
+           pg_catalog.array_agg(s.max_attempts ORDER BY s.name),
+           pg_catalog.array_agg(s.in_code ORDER BY s.name),
+           pg_catalog.array_agg(s.since ORDER BY s.name),
+           pg_catalog.array_agg(s.paused_at ORDER BY s.name),
+           pg_catalog.array_agg(s.resumed_at ORDER BY s.name),
+           pg_catalog.array_agg(s.version ORDER BY s.name),
+           pg_catalog.array_agg(m.last ORDER BY s.name)
+    FROM pgcoord.schedules AS s
+    CROSS JOIN LATERAL (SELECT max(j.slot_at) AS last FROM pgcoord.job_slots AS j
+                        WHERE j.job = s.name AND NOT j.manual) AS m
+    WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
        OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))
-GROUP BY e.epoch
+) AS a
 
 -- name: schedule_declare
 SELECT now FROM pgcoord.schedule_declare(CAST($1 AS jsonb))

@@ -19,6 +19,7 @@ import asyncpg
 import psycopg
 import pytest
 
+import pgcoord
 from pgcoord.scheduler import Scheduler, Slot
 
 from .conftest import sql, unique
@@ -398,3 +399,28 @@ async def test_every_driver_adds_runs_pauses_and_records_in_batches(dsn: str, ki
     assert states.count("failed") == 1 and states.count("succeeded") >= 2
     assert [r[2] for r in found if r[0] > paused_at and r[1] == "skipped"] != []
     assert infos[name].paused and infos[name].expr == "*/2 * * * * *"
+
+
+async def test_with_a_member_a_change_is_heard_at_once_not_at_the_next_poll(
+        dsn: str, pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture) -> None:
+    handler, name = unique("h"), unique("heard")
+    ran: list[Slot] = []
+    async with pgcoord.Member(dsn, group=unique("listen")) as member:
+        # A 30 s tick: without the NOTIFY the loop would not look again for 30 s.
+        s = Scheduler(pool, member=member, tick=30)
+
+        @s.job(handler)
+        async def work(slot: Slot) -> None:
+            ran.append(slot)
+
+        task = asyncio.create_task(s.run())
+        try:
+            with caplog.at_level(logging.WARNING, logger="pgcoord.scheduler"):
+                await asyncio.sleep(0.5)
+                await s.add(name, "* * * * * *", handler=handler)
+                await wait_for(lambda: len(ran) >= 1, within=5)
+        finally:
+            await s.stop()
+            await task
+    # A replica that starts before any of its schedules exists ticks without failing.
+    assert not [r for r in caplog.records if "tick failed" in r.getMessage()]
