@@ -207,8 +207,8 @@ def _driver() -> str:
 async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, connections: int,
                   role: str | None, clock: Callable[[], float]) -> list[Check]:
     sent = clock()
-    (num, version, in_recovery, pid, sync_commit, _names, server_now, user,
-     _superuser) = await conn.fetchrow(_q("doctor_server"))  # type: ignore[misc]
+    num, version, in_recovery, pid, sync_commit, server_now, user = await conn.fetchrow(  # type: ignore[misc]
+        _q("doctor_server"))
     skew = (sent + clock()) / 2 - float(server_now)
     checks = [check_version(int(num), str(version))]
     installed, readable = await conn.fetchrow(_q("doctor_schema_installed"))  # type: ignore[misc]

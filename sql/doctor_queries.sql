@@ -7,10 +7,8 @@ SELECT pg_catalog.current_setting('server_version_num')::int,
        pg_catalog.pg_is_in_recovery(),
        pg_catalog.pg_backend_pid(),
        pg_catalog.current_setting('synchronous_commit'),
-       pg_catalog.current_setting('synchronous_standby_names'),
        extract(epoch FROM pg_catalog.clock_timestamp())::float8,
-       current_user,
-       (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user)
+       current_user
 
 -- name: doctor_schema_installed
 -- Whether the version table exists, and whether this role may read it (the service
