@@ -73,6 +73,62 @@ def _note(carrier: Carrier, key: int, lane: int, delta: int) -> None:
         del _held_lanes[conn]
 
 
+def _release_later(holder: LockHolder, carrier: Carrier, request: SemaphoreRequest,
+                   lane: int) -> None:
+    """Release ``lane`` on a member's session once it is free, after this holder's
+    carrier on it was given up (a release or try that overran its bound, a failed
+    statement). The lane stays noted as held on that session until then, so no
+    other holder of this process takes it meanwhile (a session lock is
+    re-entrant, and this release would then take that holder's level away)."""
+    member = holder._member
+    incarnation = getattr(carrier.conn, "_incarnation", None)
+    if member is None:
+        _note(carrier, request.key, lane, -1)
+        return
+
+    async def release() -> None:
+        try:
+            if member.id == incarnation:
+                await member._call(query("semaphore_release"), request.key, lane)
+        except Exception as exc:
+            log.warning("member %r: releasing %s failed: %r", member.name, request.describe(), exc)
+        finally:
+            _note(carrier, request.key, lane, -1)
+
+    member._spawn(release(), f"pgcoord-member-semaphore:{member.name}")
+
+
+def _sweep_later(holder: LockHolder, carrier: Carrier, request: SemaphoreRequest) -> None:
+    """A try on a member's session got no answer within its bound: it may still
+    have got a lane there. Once the session is free (and no other try of this
+    process runs on it), release every lane of the key the session holds that no
+    holder of this process has noted."""
+    member = holder._member
+    incarnation = getattr(carrier.conn, "_incarnation", None)
+    if member is None:
+        return
+    session = _session_of(carrier)
+
+    async def sweep() -> None:
+        lock = _try_locks.get(session)
+        if lock is None:
+            lock = _try_locks[session] = asyncio.Lock()
+        try:
+            async with lock:
+                if member.id != incarnation:
+                    return
+                own = await member._call(query("semaphore_own_lanes"), request.key) or []
+                noted = _lanes_of(carrier, request.key)
+                for lane in own:
+                    if lane not in noted:
+                        await member._call(query("semaphore_release"), request.key, lane)
+        except Exception as exc:
+            log.warning("member %r: releasing a stray lane of %s failed: %r", member.name,
+                        request.describe(), exc)
+
+    member._spawn(sweep(), f"pgcoord-member-semaphore:{member.name}")
+
+
 async def _listen(carrier: Carrier, callback: Callable[[str], None]) -> Callable[[], Awaitable[None]]:
     """LISTEN on the waiting connection; returns how to stop hearing (the server's
     UNLISTEN comes with the statement that got the lane or gave up). A borrowed
@@ -127,20 +183,8 @@ class HeldSemaphore:
     def release_on_shared_session(self) -> None:
         """The member's session outlives this holder's carrier (given up after an
         overrun): release the lane there in the background."""
-        member, carrier, lane = self.holder._member, self.carrier, self.lane
-        if member is None or carrier is None or lane is None:
-            return
-        incarnation = getattr(carrier.conn, "_incarnation", None)
-
-        async def release() -> None:
-            if member.id == incarnation:
-                try:
-                    await member._call(query("semaphore_release"), self.request.key, lane)
-                except Exception as exc:
-                    log.warning("member %r: releasing %s failed: %r", member.name,
-                                self.request.describe(), exc)
-
-        member._spawn(release(), f"pgcoord-member-semaphore:{member.name}")
+        if self.carrier is not None and self.lane is not None:
+            _release_later(self.holder, self.carrier, self.request, self.lane)
 
     # -- taking --------------------------------------------------------------------------
 
@@ -198,14 +242,15 @@ class HeldSemaphore:
                                                on_timeout=main.overran)
         except CleanupTimeout as exc:
             main.mark_lost(f"a semaphore try got no answer within {self.holder._cleanup_bound:.1f}s")
+            if main.shared:  # the member's session lives on, maybe with the lane
+                _sweep_later(self.holder, main, self.request)
             raise LockLost(f"the LockHolder's session did not answer while taking "
                            f"{self.request.describe()}") from exc
         except asyncio.CancelledError:
             if task.done() and not task.cancelled() and task.exception() is None:
                 got = task.result()
                 if got is not None:
-                    _note(main, self.request.key, got, -1)
-                    await self._release_on(main, got)
+                    await self._release_on(main, got)  # which forgets the note
             raise
         return lane
 
@@ -300,7 +345,8 @@ class HeldSemaphore:
 
     async def _release_on(self, carrier: Carrier, lane: int) -> None:
         """Unlock the lane and notify the waiters in one statement, bounded; a
-        release that fails or finds the lane not held ends the session."""
+        release that fails or finds the lane not held ends the session (on a
+        member's session, which lives on, the lane is released later)."""
         try:
             released = await finish_despite_cancel(
                 carrier.call(query("semaphore_release"), self.request.key, lane),
@@ -310,12 +356,22 @@ class HeldSemaphore:
                 carrier.mark_lost(f"releasing {self.request.describe()} failed: {exc!r}")
             elif not carrier.lost:
                 carrier.mark_lost(f"{type(exc).__name__}: {exc}")
+            self._after_lost(carrier, lane)
             return
+        _note(carrier, self.request.key, lane, -1)
         if not released:
             log.error("pgcoord LockHolder session (pid %s): lane %d of %s was not held; "
                       "closing the session", carrier.conn.backend_pid, lane,
                       self.request.describe())
             carrier.mark_lost(f"lane {lane} of {self.request.describe()} was not held")
+
+    def _after_lost(self, carrier: Carrier, lane: int) -> None:
+        """The carrier is lost with ``lane`` unreleased: a member's session lives
+        on, so the lane is released there later; otherwise it went with the session."""
+        if carrier.shared:
+            _release_later(self.holder, carrier, self.request, lane)
+        else:
+            _note(carrier, self.request.key, lane, -1)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -324,16 +380,18 @@ class HeldSemaphore:
         carrier, holder, request, lane = self.carrier, self.holder, self.request, self.lane
         assert carrier is not None and lane is not None
         carrier.holding.pop(self, None)
-        _note(carrier, request.key, lane, -1)
         self.carrier = self.lane = None
         try:
             if self.lost_reason is not None:
+                if not carrier.shared:  # else mark_lost handed it to release_on_shared_session
+                    _note(carrier, request.key, lane, -1)
                 metrics.lock_lost(request.name, self.lost_reason)
                 if isinstance(exc, asyncio.CancelledError):
                     absorb_cancel()
                 raise LockLost(f"{request.describe()} lost: {self.lost_reason}") from exc
             if carrier.lost:
-                return  # the server released it with the session
+                self._after_lost(carrier, lane)  # elsewhere released with the session
+                return
             await self._release_on(carrier, lane)
             if carrier.dedicated:
                 await holder._retire(carrier)

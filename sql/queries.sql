@@ -254,6 +254,11 @@ SELECT pgcoord.semaphore_wait_abandon($1)
 -- the holder): a lane at session level, or NULL.
 SELECT pgcoord.semaphore_try($1, $2, true, CAST($3 AS integer[]))
 
+-- name: semaphore_own_lanes
+-- The lanes of $1 this session holds (a member's session, swept after a try
+-- that got no answer in time).
+SELECT pgcoord.semaphore_own_lanes($1)
+
 -- name: semaphore_release
 SELECT pgcoord.semaphore_release($1, $2)
 

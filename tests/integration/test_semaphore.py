@@ -725,3 +725,26 @@ async def test_cancelling_during_commit_frees_the_slot(dsn: str, kind: str) -> N
             pass
         async with _checked_out(kind, source) as conn:
             await _assert_clean_async(conn)
+
+
+# -- review fixes --------------------------------------------------------------------
+
+async def test_a_member_slot_whose_release_overruns_is_released_later(dsn: str) -> None:
+    """On a member's session (which outlives the holder's carrier) a release that
+    queues past the cleanup bound behind another statement is still sent once the
+    session is free: the slot does not stay taken for the member's lifetime."""
+    name = unique("sem-overrun")
+    async with pgcoord.Member(dsn, group=unique("g")) as member, \
+            pgcoord.LockHolder(member) as holder:
+        holder._cleanup_bound = 0.3
+        async with holder.semaphore(name, limit=1):
+            busy = asyncio.create_task(member._call("select pg_sleep(1.2)"))
+            await asyncio.sleep(0.05)
+        await busy
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 5)
+        other = await asyncpg.connect(dsn)
+        try:
+            async with pgcoord.semaphore(other, name, limit=1, wait=False):
+                pass
+        finally:
+            await other.close()
