@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from .errors import PgcoordError, SchemaMissing
 
 SQLSTATE_LOCK_BUSY = "PC001"        # raised by sql/queries.sql advisory_try
+SQLSTATE_OWN_SLOTS = "PC005"        # a semaphore whose every slot is the caller's own (0005)
 SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
 SQLSTATE_DEADLOCK = "40P01"
 SQLSTATE_OUT_OF_SHARED_MEMORY = "53200"

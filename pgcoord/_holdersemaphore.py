@@ -231,7 +231,19 @@ class HeldSemaphore:
             return main, lane
         if not request.must_wait:
             raise request.busy()
+        if self._own_lanes_in_task() >= request.limit:
+            raise request.own_slots("this task")
         return await self._wait_elsewhere(deadline)
+
+    def _own_lanes_in_task(self) -> int:
+        """Lanes of this semaphore (below its limit) the current task holds through
+        this holder: a task nested in as many slots as the limit would wait for
+        itself (another task's slots may be released, so those are waited for)."""
+        task, key, limit = asyncio.current_task(), self.request.key, self.request.limit
+        return sum(
+            1 for carrier in list(self.holder._carriers) for held, owner in carrier.holding.items()
+            if owner is task and isinstance(held, HeldSemaphore) and held.request.key == key
+            and held.lane is not None and 0 <= held.lane < limit)
 
     async def _try_on(self, main: Carrier) -> int | None:
         """A lane on the main connection, or None. The try runs to its end even if

@@ -116,6 +116,13 @@ class SemaphoreRequest:
             return LockTimeout(f"{self.describe()}: no free slot within 0s")
         return LockBusy(f"{self.describe()}: every slot is taken")
 
+    def own_slots(self, who: str) -> PgcoordError:
+        """A nested wait whose every slot is held by the waiter itself: it would
+        wait for itself forever, so it is refused at once."""
+        return PgcoordError(
+            f"{self.describe()}: {who} already holds every slot it counts, so waiting "
+            "would never end; release one first (or use a larger limit)")
+
     def timed_out(self) -> LockTimeout:
         return LockTimeout(f"{self.describe()}: no free slot within {self.timeout}s")
 
@@ -124,6 +131,8 @@ class SemaphoreRequest:
         code = _errmap.sqlstate(exc)
         if code == _errmap.SQLSTATE_LOCK_BUSY:
             return self.busy()
+        if code == _errmap.SQLSTATE_OWN_SLOTS:
+            return self.busy() if not self.must_wait else self.own_slots("this transaction")
         if code == _errmap.SQLSTATE_OUT_OF_SHARED_MEMORY:
             return LockTableFull()
         mapped = _errmap.as_schema_missing(exc)

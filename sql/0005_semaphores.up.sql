@@ -84,7 +84,9 @@ $body$;
 -- pgcoord.semaphore()'s acquire, sent together with BEGIN: a lane for this
 -- transaction, or SQLSTATE PC001 (so that the message fails as a whole and the
 -- client sees "busy"). It also queues the release's notification: NOTIFY is
--- delivered at commit, which is when the lane is released.
+-- delivered at commit, which is when the lane is released. When the lanes in
+-- `skip` (this session's own) are already every lane below sem_limit, SQLSTATE
+-- PC005: only this transaction could free one, so waiting would never end.
 CREATE FUNCTION pgcoord.semaphore_take_xact(
     sem_key integer, sem_limit integer, skip integer[] DEFAULT NULL
 ) RETURNS integer
@@ -93,6 +95,12 @@ CREATE FUNCTION pgcoord.semaphore_take_xact(
 DECLARE
     lane integer := pgcoord.semaphore_try(sem_key, sem_limit, false, skip);
 BEGIN
+    IF lane IS NULL AND skip IS NOT NULL
+       AND (SELECT pg_catalog.count(*) FROM pg_catalog.unnest(skip) AS s(l)
+            WHERE s.l >= 0 AND s.l < sem_limit) >= sem_limit THEN
+        RAISE EXCEPTION USING ERRCODE = 'PC005',
+            MESSAGE = 'pgcoord: this transaction already holds every lane of semaphore ' || sem_key;
+    END IF;
     IF lane IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = 'PC001',
             MESSAGE = 'pgcoord: every lane of semaphore ' || sem_key || ' is taken';

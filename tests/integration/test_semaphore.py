@@ -748,3 +748,39 @@ async def test_a_member_slot_whose_release_overruns_is_released_later(dsn: str) 
                 pass
         finally:
             await other.close()
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-conn", "psycopg-conn"])
+async def test_a_nested_semaphore_that_would_wait_for_itself_raises_at_once(
+    dsn: str, kind: str,
+) -> None:
+    """Inside a block that holds every slot this transaction (or this task on one
+    holder) can count, a nested wait could only wait for itself: it raises at
+    once, saying so, instead of waiting forever."""
+    name = unique("sem-nested")
+    async with open_async(kind, dsn, size=1) as conn:
+        async with pgcoord.semaphore(conn, name, limit=1):
+            started = time.monotonic()
+            with pytest.raises(pgcoord.PgcoordError, match="already holds"):
+                async with pgcoord.semaphore(conn, name, limit=1):
+                    pass
+            assert time.monotonic() - started < 2
+            async with pgcoord.semaphore(conn, name, limit=2):  # a free slot of its own
+                pass
+    async with pgcoord.LockHolder(dsn) as holder:
+        async with holder.semaphore(name, limit=1):
+            started = time.monotonic()
+            with pytest.raises(pgcoord.PgcoordError, match="already holds"):
+                async with holder.semaphore(name, limit=1):
+                    pass
+            assert time.monotonic() - started < 2
+    assert _semaphore_locks(dsn, name) == 0
+
+
+def test_a_nested_sync_semaphore_that_would_wait_for_itself_raises_at_once(dsn: str) -> None:
+    name = unique("sem-nested-sync")
+    with psycopg.connect(dsn) as conn, pgcoord.semaphore(conn, name, limit=1):
+        with pytest.raises(pgcoord.PgcoordError, match="already holds"):
+            with pgcoord.semaphore(conn, name, limit=1, timeout=5):
+                pass
+    assert _semaphore_locks(dsn, name) == 0
