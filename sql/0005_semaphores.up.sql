@@ -138,12 +138,15 @@ $body$;
 -- Turn the session-level lane a waiter got into this transaction's lane (the
 -- same session takes it again at once, then lets go of the session level) and
 -- queue the release's notification for commit, as semaphore_take_xact does.
+-- Only a try: a session never conflicts with its own lock, so the take
+-- succeeds whenever the session holds the lane; if it does not (and another
+-- session does) this fails at once rather than queueing with no deadline.
 CREATE FUNCTION pgcoord.semaphore_adopt_xact(sem_key integer, lane integer) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     AS $body$
 BEGIN
-    PERFORM pg_catalog.pg_advisory_xact_lock(sem_key, lane);
-    IF NOT pg_catalog.pg_advisory_unlock(sem_key, lane) THEN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(sem_key, lane)
+       OR NOT pg_catalog.pg_advisory_unlock(sem_key, lane) THEN
         RAISE EXCEPTION USING
             MESSAGE = 'pgcoord: lane ' || lane || ' of semaphore ' || sem_key || ' was not held';
     END IF;

@@ -784,3 +784,18 @@ def test_a_nested_sync_semaphore_that_would_wait_for_itself_raises_at_once(dsn: 
             with pgcoord.semaphore(conn, name, limit=1, timeout=5):
                 pass
     assert _semaphore_locks(dsn, name) == 0
+
+
+def test_adopting_a_lane_never_blocks(dsn: str) -> None:
+    """The adopt step (a waiter's session-level lane becomes its transaction's)
+    must never queue in the server: a lane this session does not hold, which
+    another session does, is refused at once, not waited for."""
+    key = semaphore_key(unique("sem-adopt"))
+    with psycopg.connect(dsn, autocommit=True) as other, psycopg.connect(dsn) as conn:
+        other.execute("select pg_advisory_lock(%s, 0)", (key,))
+        conn.execute("set statement_timeout = '3s'")
+        started = time.monotonic()
+        with pytest.raises(psycopg.Error, match="was not held") as info:
+            conn.execute("select pgcoord.semaphore_adopt_xact(%s, 0)", (key,))
+        assert info.value.sqlstate != "57014"  # not the statement timeout
+        assert time.monotonic() - started < 2
