@@ -1,7 +1,7 @@
 """The ``with`` half of ``pgcoord.semaphore()``: the same steps as the ``async
 with`` half in ``pgcoord.semaphores``, on psycopg and SQLAlchemy sync sources. A
 sync wait listens the same way and watches the connection's socket with
-``select``; cleanups are bounded by the watchdog that bounds ``exclusive()``'s.
+a selector; cleanups are bounded by the watchdog that bounds ``exclusive()``'s.
 """
 
 from __future__ import annotations

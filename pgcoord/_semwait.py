@@ -6,7 +6,7 @@ its pool, or given), before its transaction begins: it LISTENs, tries, and
 waits for a notification on channel ``pgcoord_semaphores`` whose payload is the
 semaphore's key. asyncpg delivers notifications whenever they arrive. psycopg
 reads them only while it runs a statement, so while nothing runs the waiter
-watches the socket itself and hands what arrives to psycopg's notify handlers,
+watches the socket itself (a selector) and hands what arrives to psycopg's notify handlers,
 as psycopg would. SQLAlchemy connections are waited on through their driver's.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
+import selectors
 import time
 from typing import Any
 
@@ -219,14 +219,15 @@ class SyncLaneConn:
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        fd = self.conn.pgconn.socket
-        while not self._wake.woken and (remaining := deadline - time.monotonic()) > 0:
-            readable, _, _ = select.select([fd], [], [], remaining)
-            if not readable:
-                break
-            _read_notifications(self.conn)
-            if self.conn.closed:
-                break
+        # A selector, not select.select(): that refuses descriptors >= FD_SETSIZE.
+        with selectors.DefaultSelector() as watch:
+            watch.register(self.conn.pgconn.socket, selectors.EVENT_READ)
+            while not self._wake.woken and (remaining := deadline - time.monotonic()) > 0:
+                if not watch.select(remaining):
+                    break
+                _read_notifications(self.conn)
+                if self.conn.closed:
+                    break
         self._wake.woken = False
 
     def forget(self) -> None:

@@ -799,3 +799,34 @@ def test_adopting_a_lane_never_blocks(dsn: str) -> None:
             conn.execute("select pgcoord.semaphore_adopt_xact(%s, 0)", (key,))
         assert info.value.sqlstate != "57014"  # not the statement timeout
         assert time.monotonic() - started < 2
+
+
+def test_a_sync_wait_on_a_socket_numbered_above_1023(dsn: str) -> None:
+    """select() cannot watch a descriptor >= FD_SETSIZE (1024): a sync waiter whose
+    connection got one must wait like any other, not fail with ValueError."""
+    import resource
+
+    name = unique("sem-fd")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    pad: list[int] = []
+    try:
+        while not pad or pad[-1] < 1100:
+            pad.append(os.open(os.devnull, os.O_RDONLY))
+        with psycopg.connect(dsn) as blocker, psycopg.connect(dsn) as conn:
+            assert conn.pgconn.socket >= 1024
+            release = threading.Timer(0.3, lambda: blocker.commit())
+            with pgcoord.semaphore(blocker, name, limit=1):
+                pass
+            blocker.execute("select pgcoord.semaphore_take_xact(%s, 1)", (semaphore_key(name),))
+            release.start()
+            with pgcoord.semaphore(conn, name, limit=1, timeout=10):
+                pass
+            release.join()
+            _assert_clean_sync(conn)
+    finally:
+        for fd in pad:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert _semaphore_locks(dsn, name) == 0
