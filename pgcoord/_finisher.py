@@ -13,6 +13,7 @@ import asyncio
 import datetime as dt
 from typing import Any
 
+from ._aio import CLEANUP_TIMEOUT, finish_despite_cancel
 from ._drivers import run_statement
 from ._queries import query
 
@@ -52,8 +53,12 @@ class Finisher:
             del self._queue[:FINISH_BATCH]
             entries = [e for e, _ in batch]
             try:
-                row = await run_statement(self._source, query("schedule_finish"), tuple(
-                    [e[i] for e in entries] for i in range(7)))
+                # Bounded like any record: a batch held up (a row lock, a server that
+                # does not answer) is cancelled on the server, and its runs' claims
+                # expire, rather than holding up every later record.
+                row = await finish_despite_cancel(run_statement(
+                    self._source, query("schedule_finish"),
+                    tuple([e[i] for e in entries] for i in range(7))), bound=CLEANUP_TIMEOUT)
             except BaseException as exc:
                 for _, fut in batch:
                     if not fut.done():

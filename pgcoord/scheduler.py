@@ -1,23 +1,22 @@
 """``Scheduler``: run-once cron across replicas, on ``pgcoord.job_slots``.
 
-Every replica runs the same loop, with no leader: it reads the database clock,
-works out which slots of each job are due, and tries to insert each one. The
-table's primary key (job, slot instant) lets exactly one insert succeed, and
-that replica runs the slot. Every slot since a job was registered ends as a
-row in a terminal state with a reason: succeeded, failed, abandoned, missed or
-skipped. Cron expressions are evaluated by cronsim, which follows Debian cron
-across daylight-saving changes.
+Every replica runs the same loop, with no leader. The schedules are rows of
+``pgcoord.schedules`` (declared in code with ``@cron``, or added at run time
+naming a handler registered with ``@job``); a replica loads those it has a
+function for, and keeps each one's next slot in memory. Each tick reads the
+database clock and the schedules' change counter (reloading when it moved),
+then decides every due slot of every schedule in a few set-based statements
+(``schedule_decide``): a claim for each slot to run, a ``missed`` or
+``skipped`` row for the others. The table's primary key (job, slot instant)
+lets exactly one claim succeed, and that replica runs the slot. Every slot since
+a schedule was registered ends as a row in a terminal state with a reason:
+succeeded, failed, abandoned, missed or skipped. Cron expressions are evaluated
+by cronsim, which follows Debian cron across daylight-saving changes
+(``_cron``); a claimed slot runs under a lease-like claim (``_jobrun``).
 
-A running slot's claim is a lease: its runner heartbeats it every claim_ttl/3,
-and believes it holds the claim only inside a trust window that closes (on the
-monotonic clock) before the database would let anyone take the slot over, as
-``Lease`` does. When the window closes — renewals failing or blocked, the slot
-taken over, the process paused — the run is cancelled and records nothing.
 When a runner dies, its claim expires; with ``on_crash="skip"`` any replica
 then records the slot ``abandoned`` (at most once); with ``"retry"`` one
-replica takes it over as the next attempt, up to ``max_attempts``, and a
-superseded runner can no longer record a result — in transactional mode its
-writes roll back with it.
+replica takes it over as the next attempt, up to ``max_attempts``.
 
 The loop survives the database: a tick that fails (a lost connection, a
 server restart, a terminated session) is logged and tried again after a
@@ -27,7 +26,6 @@ back-off; it never ends ``run()``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime as dt
 import json
 import logging
@@ -37,10 +35,8 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import metrics
 from . import schedules as _schedules
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._cron import Handler, Job, check_expr, check_zone, seconds, slots_between
@@ -48,11 +44,9 @@ from ._drivers import check_source, run_statement
 from ._drivers.capacity import pool_capacity
 from ._finisher import Finisher
 from ._jobalerts import FailingWatch
-from ._keys import lock_key
+from ._jobrun import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
 from ._queries import query
 from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
-from .leases import trust_margin
-from .locks import exclusive
 from .schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
 
 if TYPE_CHECKING:
@@ -76,36 +70,6 @@ BACKFILL_MAX = 10_000  # slots per backfill() call
 # this long, doubling per failure up to BACKOFF_MAX, with jitter, and goes on.
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
-
-
-def _utc(value: dt.datetime) -> dt.datetime:
-    """A timestamptz as the driver gave it (psycopg: in the session's TimeZone), in UTC."""
-    return value.astimezone(UTC)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One scheduled run: ``job`` at instant ``at`` (aware, UTC)."""
-
-    job: str
-    at: dt.datetime
-    attempt: int
-    manual: bool = False
-    #: A connection in the run's transaction (``transactional=True`` jobs only).
-    conn: Any = None
-    #: The schedule's JSON arguments (``add(..., args=...)``); ``{}`` for none.
-    args: Any = None
-
-    def __post_init__(self) -> None:
-        if self.at.tzinfo is None or self.at.utcoffset() is None:
-            raise ValueError(f"Slot.at must be an aware datetime, got {self.at!r}")
-        if self.at.tzinfo is not UTC:
-            object.__setattr__(self, "at", _utc(self.at))
-
-    @property
-    def key(self) -> str:
-        """A stable idempotency key for this slot, e.g. ``nightly@2026-11-29T02:00:00Z``."""
-        return f"{self.job}@{self.at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
@@ -150,35 +114,7 @@ def _refuse_shared_connection(source: Any) -> None:
         )
 
 
-class _Claim:
-    """What this runner believes about its claim on a running slot: a lease whose
-    trust window closes before the database lets another replica take over."""
-
-    def __init__(self, ttl: float, sent_at: float) -> None:
-        self.ttl = ttl
-        self.lost: str | None = None
-        self.renewed(sent_at)
-
-    def renewed(self, sent_at: float) -> None:
-        """A claim or heartbeat sent at ``sent_at`` (monotonic) succeeded."""
-        self.sent_at = sent_at
-        self.trust_until = sent_at + self.ttl - trust_margin(self.ttl)
-
-
-@dataclass(eq=False)
-class _Run:
-    spec: Job
-    slot: Slot
-    claim: _Claim
-    #: The runner name the slot was claimed under (with a member, it names the
-    #: member's incarnation, which may have changed since).
-    runner: str
-    task: asyncio.Task[None] | None = None
-    body: asyncio.Task[Any] | None = None
-    started: bool = False
-
-
-class Scheduler:
+class Scheduler(SlotRunner):
     """Run-once cron across every replica that runs the same code; see DESIGN §4 and §9.
 
     Schedules are rows of ``pgcoord.schedules``: those declared in code with
@@ -217,7 +153,7 @@ class Scheduler:
         # such runs hold one at a time, and the rest wait their turn.
         self._tx_turns = (asyncio.Semaphore(self._capacity - 1)
                           if self._capacity is not None and self._capacity > 1 else None)
-        self._running: dict[tuple[str, dt.datetime], _Run] = {}
+        self._running: dict[tuple[str, dt.datetime], Run] = {}
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
         self._draining = False
@@ -241,7 +177,7 @@ class Scheduler:
         if member is None:
             return self._runner
         if member.id is None:
-            raise _NotJoined()
+            raise NotJoined()
         return f"{member.name}/{member.id}"
 
     # -- registration ------------------------------------------------------------------
@@ -270,7 +206,7 @@ class Scheduler:
             catch_up=opts["catch_up"], deadline=opts["deadline"],
             transactional=handler.transactional, allow_overlap=opts["allow_overlap"],
             jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
-            timeout=opts["timeout"], handler=job,
+            timeout=opts["timeout"], handler=job, args={},
         )
 
         def register(fn: JobFn) -> JobFn:
@@ -554,7 +490,7 @@ class Scheduler:
         row = await run_statement(self._source, query("schedule_load"),
                                   (list(self._handlers), list(self.jobs)))
         assert row is not None
-        epoch, now = int(row[0]), _utc(row[1])
+        epoch, now = int(row[0]), as_utc(row[1])
         columns = row[2:]
         specs: dict[str, Job] = {}
         if columns[0] is not None:
@@ -582,7 +518,7 @@ class Scheduler:
                 self._bad_rows.add((name, version))
                 log.error("schedule %r (version %d) cannot run: %s", name, version, exc)
             return None
-        since = _utc(since)
+        since = as_utc(since)
         spec = Job(
             name=name, expr=expr, tz=zone, fn=handler.fn, on_crash=on_crash,
             max_attempts=int(max_attempts), catch_up=catch_up,
@@ -591,10 +527,10 @@ class Scheduler:
             jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
             registered_at=since, timeout=None if timeout is None else float(timeout),
             handler=handler_name, args=json.loads(args), version=version, paused=bool(paused),
-            paused_at=None if paused_at is None else _utc(paused_at),
-            resumed_at=None if resumed_at is None else _utc(resumed_at), in_code=bool(in_code),
+            paused_at=None if paused_at is None else as_utc(paused_at),
+            resumed_at=None if resumed_at is None else as_utc(resumed_at), in_code=bool(in_code),
         )
-        decided = [since] + ([] if last is None else [_utc(last)])
+        decided = [since] + ([] if last is None else [as_utc(last)])
         if old is not None and old.after is not None:
             decided.append(old.after)
         spec.after = max(decided)
@@ -606,7 +542,7 @@ class Scheduler:
         again. Every due schedule is decided in one statement."""
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
-        now, epoch, owed = _utc(row[0]), int(row[1]), row[2] or []
+        now, epoch, owed = as_utc(row[0]), int(row[1]), row[2] or []
         self._clock_offset = now.timestamp() - time.time()
         if epoch != self._epoch:
             await self._reload()
@@ -635,7 +571,7 @@ class Scheduler:
             return
         try:
             runner = self.runner
-        except _NotJoined:
+        except NotJoined:
             return  # the member is (re)joining: claim nothing until it has
         groups: list[list[_Entry]] = []
         decided: dict[str, dt.datetime] = {}
@@ -667,7 +603,7 @@ class Scheduler:
             if row is None or row[0] is None:
                 continue
             for job, at, state, attempt in zip(*row, strict=True):
-                spec, at = by_name[job], _utc(at)
+                spec, at = by_name[job], as_utc(at)
                 if state == "running":
                     self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
                 elif state == "waiting":
@@ -692,7 +628,7 @@ class Scheduler:
             return
         try:
             runner = self.runner
-        except _NotJoined:
+        except NotJoined:
             return
         sent = time.monotonic()
         row = await run_statement(self._source, query("schedule_take_owed"), (
@@ -701,7 +637,7 @@ class Scheduler:
             return
         for job, at, attempt in zip(*row, strict=True):
             spec = self._specs[job]
-            self._start(spec, Slot(job, _utc(at), int(attempt), manual=True, args=spec.args),
+            self._start(spec, Slot(job, as_utc(at), int(attempt), manual=True, args=spec.args),
                         sent, runner)
 
     async def _housekeeping(self) -> None:
@@ -733,7 +669,7 @@ class Scheduler:
     async def _recover(self, specs: list[Job]) -> None:
         try:
             runner = self.runner
-        except _NotJoined:
+        except NotJoined:
             return
         sent = time.monotonic()
         row = await run_statement(self._source, query("schedule_recover"), (
@@ -742,7 +678,7 @@ class Scheduler:
         if row is None or row[0] is None:
             return
         for job, at, attempt in zip(*row, strict=True):
-            spec, at = self._specs[job], _utc(at)
+            spec, at = self._specs[job], as_utc(at)
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
             self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
 
@@ -766,25 +702,15 @@ class Scheduler:
         Each is logged (a warning when it starts failing, info when it recovers) and
         counted in the gauge ``pgcoord_jobs_failing{handler}``. The loop calls this
         every minute."""
+        if self._epoch is None:
+            await self._reload()  # called outside run()
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
-        now = _utc(row[0])
+        now = as_utc(row[0])
         watched = [s for s in self._specs.values() if not s.paused]
         return await self._alerts.check(self._source, watched, now)
 
     # -- running slots ---------------------------------------------------------------------
-
-    def _start(self, spec: Job, slot: Slot, sent: float, runner: str) -> None:
-        run = _Run(spec, slot, _Claim(spec.claim_ttl, sent), runner)
-        run.task = asyncio.create_task(self._execute(run), name=f"pgcoord-job:{slot.key}")
-        self._running[(spec.name, slot.at)] = run
-        run.task.add_done_callback(lambda _: self._finished(run))
-
-    def _finished(self, run: _Run) -> None:
-        key = (run.spec.name, run.slot.at)
-        if self._running.get(key) is run:
-            del self._running[key]
-        self._wake.set()  # a waiting backlog may go on at once
 
     async def trigger(self, job: str) -> Slot:
         """Run ``job`` now, on this replica, without using up a scheduled slot. (To have
@@ -793,7 +719,7 @@ class Scheduler:
         spec = await self._handled(job)
         try:
             runner = self.runner
-        except _NotJoined:
+        except NotJoined:
             raise PgcoordError("the scheduler's member is not joined (its session is being "
                                "reconnected); trigger again shortly") from None
         sent = time.monotonic()
@@ -801,7 +727,7 @@ class Scheduler:
                                   (spec.name, runner, int(spec.claim_ttl * 1000)))
         assert row is not None
         slot = Slot(spec.name, row[2], int(row[1]), manual=True, args=spec.args)
-        await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent), runner))
+        await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
         return slot
 
     async def backfill(self, job: str, start: dt.datetime, end: dt.datetime) -> list[Slot]:
@@ -828,7 +754,7 @@ class Scheduler:
         for at in slots:
             try:
                 runner = self.runner
-            except _NotJoined:
+            except NotJoined:
                 raise PgcoordError("the scheduler's member is not joined (its session is being "
                                    "reconnected); backfill again shortly") from None
             sent = time.monotonic()
@@ -837,212 +763,11 @@ class Scheduler:
             if claim is None or claim[0] != "running":
                 continue  # the slot has its row already
             slot = Slot(spec.name, at, int(claim[1]), args=spec.args)
-            await self._execute(_Run(spec, slot, _Claim(spec.claim_ttl, sent), runner))
+            await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
             ran.append(slot)
         return ran
 
     async def _database_now(self) -> dt.datetime:
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
-        return _utc(row[0])
-
-    async def _execute(self, run: _Run) -> None:
-        """Run a claimed slot: its body in a task of its own, beside the heartbeat
-        that keeps the claim (and cancels the body when the claim is lost); then
-        record the outcome. A cancellation of this task stops the body, records
-        the slot stopped and is raised again."""
-        run.started = True
-        slot = run.slot
-        body = run.body = asyncio.create_task(self._body(run), name=f"pgcoord-job-body:{slot.key}")
-        heartbeat = asyncio.create_task(self._heartbeat(run, body), name=f"pgcoord-job-claim:{slot.key}")
-        cancelled = False
-        try:
-            try:
-                await asyncio.wait({body})
-            except asyncio.CancelledError:
-                cancelled = True
-                body.cancel()
-                await asyncio.wait({body})  # the body's own cleanup (a rollback) runs first
-        finally:
-            heartbeat.cancel()
-            heartbeat.add_done_callback(consume_result)
-            if not body.done():  # cancelled twice while the body was stopping: leave it
-                body.add_done_callback(consume_result)
-        outcome, reason, error = self._outcome(run, body, cancelled)
-        if outcome is not None:
-            await self._record(run, outcome, error, reason)
-        if cancelled:
-            raise asyncio.CancelledError
-
-    async def _body(self, run: _Run) -> bool:
-        """The job itself; True when it recorded its own success (transactional)."""
-        if run.spec.transactional:
-            return await self._run_transactional(run)
-        await _call(run.spec, run.slot)
-        return False
-
-    def _outcome(self, run: _Run, body: asyncio.Task[bool], cancelled: bool,
-                 ) -> tuple[str | None, str | None, str | None]:
-        """What to record for a finished body: (state, reason, error), or Nones for nothing."""
-        spec, slot = run.spec, run.slot
-        if body.cancelled():
-            if run.claim.lost is not None:
-                log.warning("job %r slot %s attempt %d was cut off: %s; nothing is recorded,"
-                            " the claim expires", spec.name, slot.at, slot.attempt, run.claim.lost)
-                return None, None, None
-            if cancelled or self._stopping:
-                return "stopped", None, None
-            return "failed", None, "CancelledError: the job was cancelled"
-        exc = body.exception()
-        if isinstance(exc, _Superseded):
-            log.warning("job %r slot %s attempt %d was taken over; its result is discarded",
-                        spec.name, slot.at, slot.attempt)
-            return None, None, None
-        if isinstance(exc, _TimedOut):
-            log.error("job %r slot %s failed: %s", spec.name, slot.at, exc)
-            return "failed", "timeout", f"TimeoutError: {exc}"
-        if exc is not None:
-            log.error("job %r slot %s failed", spec.name, slot.at, exc_info=exc)
-            return "failed", None, f"{type(exc).__name__}: {exc}"
-        if body.result():
-            return None, None, None  # a transactional run recorded itself
-        # A body that ended normally is recorded even if the claim's window closed
-        # meanwhile: job_finish only succeeds while this runner's attempt holds the slot.
-        return "succeeded", None, None
-
-    async def _record(self, run: _Run, outcome: str, error: str | None,
-                      reason: str | None = None) -> None:
-        """Record a run's end, bounded: a record that cannot finish in time (a row lock,
-        a server that does not answer) is abandoned and the claim left to expire."""
-        spec, slot = run.spec, run.slot
-        if outcome == "stopped":
-            if spec.on_crash == "retry":
-                return  # the claim expires and another replica retries it
-            outcome, reason = "abandoned", "stopped"
-        try:
-            # Past the bound the statement is cancelled in its own task (which
-            # cancels it on the server and gives its connection back, or
-            # discards it); nothing else is ours to close, so no on_timeout.
-            recorded = await finish_despite_cancel(self._finisher.finish(
-                (spec.name, slot.at, run.runner, slot.attempt, outcome, reason, error),
-            ), bound=CLEANUP_TIMEOUT)
-        except CleanupTimeout:
-            log.warning("job %r slot %s: recording %s took longer than %.0f s and was abandoned;"
-                        " the claim expires", spec.name, slot.at, outcome, CLEANUP_TIMEOUT)
-            return
-        except Exception as exc:
-            log.warning("job %r slot %s: could not record %s: %r", spec.name, slot.at, outcome, exc)
-            return
-        if not recorded:
-            log.warning("job %r slot %s attempt %d was taken over; its %s is not recorded",
-                        spec.name, slot.at, slot.attempt, outcome)
-
-    async def _run_transactional(self, run: _Run) -> bool:
-        """Run the job and record success in one transaction."""
-        from ._drivers import fetchval_on
-
-        spec, slot = run.spec, run.slot
-        turn = self._tx_turns
-        if turn is not None:
-            await turn.acquire()
-        try:
-            # The slot's transaction lock makes a retry of the same slot wait until
-            # this transaction has ended, so two attempts never run side by side.
-            # A numeric key: a name would add a lock_names row and a metrics
-            # label per slot, without bound.
-            async with exclusive(self._source, lock_key(f"pgcoord.job:{slot.key}")) as conn:
-                await _call(spec, dataclasses.replace(slot, conn=conn))
-                if run.claim.lost is not None:
-                    raise _Superseded()
-                done = await fetchval_on(conn, query("job_finish"), (
-                    spec.name, slot.at, run.runner, slot.attempt, "succeeded", None, None))
-                if not done:
-                    raise _Superseded()
-        finally:
-            if turn is not None:
-                turn.release()
-        return True
-
-    async def _heartbeat(self, run: _Run, body: asyncio.Task[Any]) -> None:
-        """Renew the claim every claim_ttl/3 (sooner after a failure) while the trust
-        window is open; when it closes, or the slot is no longer this attempt's,
-        cancel the body."""
-        spec, slot, claim = run.spec, run.slot, run.claim
-        next_at = claim.sent_at + spec.claim_ttl / 3
-        attempt: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-                sent = time.monotonic()
-                if sent >= claim.trust_until:  # e.g. the process was paused
-                    self._lose(run, body, "its trust window closed before a heartbeat was sent")
-                    return
-                attempt = asyncio.ensure_future(run_statement(
-                    self._source, query("job_heartbeat"),
-                    (spec.name, slot.at, run.runner, slot.attempt, int(spec.claim_ttl * 1000))))
-                done, _ = await asyncio.wait({attempt}, timeout=claim.trust_until - sent)
-                if not done:
-                    self._lose(run, body, "no heartbeat succeeded before its trust window closed")
-                    return
-                finished, attempt = attempt, None
-                error = finished.exception()
-                if error is None:
-                    row = finished.result()
-                    if row is None or not row[0]:
-                        self._lose(run, body, "the slot was taken over or its claim expired")
-                        return
-                    claim.renewed(sent)
-                    next_at = sent + spec.claim_ttl / 3
-                    continue
-                # A transient error is not a loss while the trust window is open.
-                log.warning("job %r slot %s: heartbeat failed, retrying: %r", spec.name, slot.at, error)
-                next_at = time.monotonic() + min(spec.claim_ttl / 10,
-                                                 max(0.0, claim.trust_until - time.monotonic()))
-        finally:
-            if attempt is not None and not attempt.done():
-                attempt.cancel()
-                attempt.add_done_callback(consume_result)
-
-    def _lose(self, run: _Run, body: asyncio.Task[Any], reason: str) -> None:
-        if run.claim.lost is None:
-            run.claim.lost = f"claim lost: {reason}"
-            metrics.lock_lost(run.spec.name, reason)
-        body.cancel(f"pgcoord: job {run.spec.name!r} slot {run.slot.key}: {run.claim.lost}")
-
-    async def _stop_runs(self) -> None:
-        self._stopping = True
-        runs = list(self._running.values())
-        for run in runs:
-            if run.task is not None:
-                run.task.cancel()
-        await asyncio.gather(*(run.task for run in runs if run.task is not None),
-                             return_exceptions=True)
-        # Cancelled before it began: nothing ran, so say so.
-        await asyncio.gather(*(self._record(run, "stopped", None) for run in runs if not run.started),
-                             return_exceptions=True)
-
-
-class _NotJoined(Exception):
-    """The scheduler's member has no session right now (it is rejoining)."""
-
-
-class _Superseded(Exception):
-    pass
-
-
-class _TimedOut(Exception):
-    """The job ran past its schedule's ``timeout`` and was cancelled."""
-
-
-async def _call(spec: Job, slot: Slot) -> None:
-    """The job's function, cancelled past the schedule's timeout (as ``_TimedOut``)."""
-    if spec.timeout is None:
-        await spec.fn(slot)
-        return
-    try:
-        async with asyncio.timeout(spec.timeout) as bound:
-            await spec.fn(slot)
-    except TimeoutError:
-        if bound.expired():
-            raise _TimedOut(f"the job ran longer than its timeout of {spec.timeout:g} s") from None
-        raise
+        return as_utc(row[0])
