@@ -30,10 +30,17 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a driver error from asyncpg, psycopg or SQLAlchemy, if any."""
+    """The SQLSTATE of a driver error from asyncpg, psycopg, psycopg2, pg8000 or
+    SQLAlchemy, if any."""
     for e in _chain(exc):
         for attr in ("sqlstate", "pgcode"):
             code = getattr(e, attr, None)
+            if isinstance(code, str) and len(code) == 5:
+                return code
+        # pg8000 passes the server's error fields as a dict; "C" is the SQLSTATE.
+        fields = e.args[0] if e.args else None
+        if isinstance(fields, dict):
+            code = fields.get("C")
             if isinstance(code, str) and len(code) == 5:
                 return code
     return None

@@ -17,7 +17,7 @@ from ._drivers import release_sync
 from ._drivers.base import SyncTxSession
 from ._drivers.release import _discard_sync, _watchdog
 from ._queries import query
-from ._semwait import SyncLaneConn, driver_connection
+from ._semwait import SyncLaneConn, can_listen, driver_connection
 from .locks import DEAD_POOLED_RETRIES
 
 if TYPE_CHECKING:
@@ -117,7 +117,11 @@ class SyncSemaphore:
             if not (request.must_wait and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
                 raise
         session.rollback()
-        lanes = SyncLaneConn(driver_connection(session), request.key)
+        driver = driver_connection(session)
+        if not can_listen(driver, want_async=False):
+            self._retry_sync(session, deadline)  # a driver pgcoord cannot hear on
+            return
+        lanes = SyncLaneConn(driver, request.key)
         if lanes.behind_pooler():
             self._retry_sync(session, deadline)
             return
@@ -204,8 +208,7 @@ class SyncSemaphore:
         guard = _watchdog.guard(CLEANUP_TIMEOUT, session.sever)
         try:
             session.rollback()
-            lanes = SyncLaneConn(driver_connection(session), self.request.key)
-            lanes.fetchval(query("semaphore_notify"), str(self.request.key))
+            session.run_autocommit(query("semaphore_notify"), (str(self.request.key),))
             done = True
         except Exception as exc:
             _sem.log.warning("pgcoord: semaphore release after a rollback failed: %r", exc)

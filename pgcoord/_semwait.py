@@ -38,6 +38,12 @@ def _module(conn: Any) -> str:
     return type(conn).__module__.partition(".")[0]
 
 
+def can_listen(conn: Any, *, want_async: bool) -> bool:
+    """Whether a wait can hear notifications on this driver connection (asyncpg
+    and psycopg); on others (psycopg2, pg8000 under SQLAlchemy) it retries."""
+    return _module(conn) in (("asyncpg", "psycopg") if want_async else ("psycopg",))
+
+
 class _Wake:
     """Notifications for one key; other keys on the channel are not ours."""
 

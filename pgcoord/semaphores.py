@@ -42,7 +42,7 @@ from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
 from ._keys import semaphore_key
 from ._queries import query
 from ._semaphoresync import SyncSemaphore
-from ._semwait import AsyncLaneConn, driver_connection
+from ._semwait import AsyncLaneConn, can_listen, driver_connection
 from .errors import LockBusy, LockTableFull, LockTimeout, PgcoordError, SchemaMissing
 from .locks import DEAD_POOLED_RETRIES
 
@@ -286,7 +286,11 @@ class Semaphore(SyncSemaphore):
             if not (request.must_wait and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
                 raise
         await session.rollback()
-        lanes = AsyncLaneConn(driver_connection(session), request.key)
+        driver = driver_connection(session)
+        if not can_listen(driver, want_async=True):
+            await self._retry_async(session, deadline)  # a driver pgcoord cannot hear on
+            return
+        lanes = AsyncLaneConn(driver, request.key)
         if await lanes.behind_pooler():
             await self._retry_async(session, deadline)
             return
@@ -393,5 +397,4 @@ class Semaphore(SyncSemaphore):
 
     async def _rollback_and_notify_async(self, session: AsyncTxSession) -> None:
         await session.rollback()
-        lanes = AsyncLaneConn(driver_connection(session), self.request.key)
-        await lanes.fetchval(query("semaphore_notify"), str(self.request.key))
+        await session.run_autocommit(query("semaphore_notify"), (str(self.request.key),))

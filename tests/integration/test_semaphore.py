@@ -422,9 +422,17 @@ async def test_holder_semaphore_counts_lanes_of_its_own_session(dsn: str) -> Non
             with pytest.raises(pgcoord.LockBusy):
                 async with holder.semaphore(name, limit=2, wait=False):
                     pass
-            with pytest.raises(pgcoord.LockTimeout):
+            # this task holds both: a wait could only wait for itself
+            with pytest.raises(pgcoord.PgcoordError, match="already holds"):
                 async with holder.semaphore(name, limit=2, timeout=0.2):
                     pass
+
+            async def third() -> None:  # another task waits (this one may release)
+                async with holder.semaphore(name, limit=2, timeout=0.2):
+                    pass
+
+            with pytest.raises(pgcoord.LockTimeout):
+                await asyncio.create_task(third())
         await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
 
 
@@ -829,4 +837,34 @@ def test_a_sync_wait_on_a_socket_numbered_above_1023(dsn: str) -> None:
         for fd in pad:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert _semaphore_locks(dsn, name) == 0
+
+
+def test_a_sync_engine_on_a_driver_it_cannot_listen_on_waits_by_retrying(dsn: str) -> None:
+    """SQLAlchemy over pg8000 (or psycopg2): pgcoord cannot hear notifications
+    there, so a busy semaphore is waited for by retrying whole transactions with
+    growing pauses (as behind a pooler), not refused with a driver TypeError."""
+    pytest.importorskip("pg8000")  # a dev dependency; CI installs it
+    from sqlalchemy import create_engine, text
+
+    name = unique("sem-pg8000")
+    engine = create_engine(dsn.replace("postgresql://", "postgresql+pg8000://"), pool_size=1)
+    try:
+        with psycopg.connect(dsn) as blocker:
+            with pgcoord.semaphore(blocker, name, limit=1):
+                pass
+            blocker.execute("select pgcoord.semaphore_take_xact(%s, 1)", (semaphore_key(name),))
+            threading.Timer(0.3, blocker.commit).start()
+            started = time.monotonic()
+            with pgcoord.semaphore(engine, name, limit=1, timeout=10) as conn:
+                assert conn.execute(text("select 1")).scalar() == 1
+            assert 0.2 < time.monotonic() - started < 5
+            with pytest.raises(pgcoord.LockTimeout):
+                with pgcoord.semaphore(blocker, name, limit=1), \
+                        pgcoord.semaphore(engine, name, limit=1, timeout=0.3):
+                    pass
+        with engine.connect() as conn:
+            _assert_clean_sync(conn)
+    finally:
+        engine.dispose()
     assert _semaphore_locks(dsn, name) == 0
