@@ -16,6 +16,9 @@ EXPECT = {
     "fenced_leader.py": ["leading with fence", "fenced writes so far"],
     "nightly_job.py": ["next run:", "manual run recorded as succeeded"],
     "sync_usage.py": ["psycopg: wrote under the lock", "SQLAlchemy:", "check_fence refused"],
+    "tenant_schedules.py": ["example:digest:team-1: 0 10 * * 1 Europe/Paris, paused=False",
+                            "example:digest:team-2: 0 9 * * 1 Europe/Paris, paused=True",
+                            "digest for team 3", "manual run recorded as succeeded"],
 }
 
 
