@@ -198,20 +198,29 @@ class SyncSemaphore:
         try:
             session.commit()
         except BaseException:
-            self._end_rolled_back_sync(session)
+            self._end_sync(session, rollback=True)
             raise
-        release_sync(session, rollback=False)
+        self._end_sync(session, rollback=False)
 
     def _end_rolled_back_sync(self, session: SyncTxSession) -> None:
-        """``_end_rolled_back_async`` for a sync connection, watched as ``_abandon_sync``."""
+        self._end_sync(session, rollback=True)
+
+    def _end_sync(self, session: SyncTxSession, *, rollback: bool) -> None:
+        """``_end_async`` for a sync connection, watched as ``_abandon_sync``."""
         done = False
         guard = _watchdog.guard(CLEANUP_TIMEOUT, session.sever)
         try:
-            session.rollback()
-            session.run_autocommit(query("semaphore_notify"), (str(self.request.key),))
+            if rollback:
+                session.rollback()
+            driver = driver_connection(session)
+            if can_listen(driver, want_async=False):  # one round trip
+                SyncLaneConn(driver, self.request.key).fetchval(
+                    query("semaphore_wake"), self.request.key)
+            else:
+                session.run_autocommit(query("semaphore_wake"), (self.request.key,))
             done = True
         except Exception as exc:
-            _sem.log.warning("pgcoord: semaphore release after a rollback failed: %r", exc)
+            _sem.log.warning("pgcoord: waking semaphore waiters after a release failed: %r", exc)
         finally:
             if guard.stop():
                 done = False

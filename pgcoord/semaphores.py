@@ -9,9 +9,10 @@ admits at most ``limit`` and frees a crashed holder's lane with its session.
 A session can queue in the server for one lock only, and a waiter wants *any*
 lane, so waiting is not a server lock wait: the waiter LISTENs on
 ``pgcoord_semaphores`` and tries again on each notification for its key. Every
-release sends one: the acquire queues it in the holder's transaction, which
-delivers it at commit, when the lane is freed; a rollback discards it, so pgcoord
-sends it again after its own rollbacks. A crashed holder sends nothing, and a
+release sends one when someone is in the waiting room: pgcoord sends it after
+the commit or rollback that freed the lane (a NOTIFY inside the transaction
+would make its commit take a database-wide lock); in the caller's own
+transaction, whose end pgcoord does not see, the acquire queues it for commit. A crashed holder sends nothing, and a
 notification could overtake the release it announces; for those a waiter also
 tries every ``SEMAPHORE_RECHECK`` seconds. That is the crash path: a normal
 release reaches a waiter by notification (bench/semaphore.py measures it).
@@ -373,28 +374,38 @@ class Semaphore(SyncSemaphore):
             await release_async(session, rollback=True)
             raise self.request.ended_early()
         try:
-            # The notification queued with the acquire goes out with this COMMIT.
             await session.commit()
         except BaseException:
-            await self._end_rolled_back_async(session)
+            await self._end_async(session, rollback=True)
             raise
-        await release_async(session, rollback=False)
+        await self._end_async(session, rollback=False)
 
     async def _end_rolled_back_async(self, session: AsyncTxSession) -> None:
-        """Roll back, then tell the waiters (the rollback discarded the notification
-        queued with the acquire), then give back; bounded, as release_async."""
+        await self._end_async(session, rollback=True)
+
+    async def _end_async(self, session: AsyncTxSession, *, rollback: bool) -> None:
+        """After the COMMIT (or a rollback, here) that freed the lane: wake a waiter
+        if any is in the waiting room, then give back; bounded, as release_async.
+        (No NOTIFY rides on the transaction itself: a commit that sends one takes
+        a database-wide lock, see sql/0005_semaphores.up.sql.)"""
         done = False
         try:
-            await finish_despite_cancel(self._rollback_and_notify_async(session),
+            await finish_despite_cancel(self._wake_async(session, rollback),
                                         bound=CLEANUP_TIMEOUT, on_timeout=session.sever)
             done = True
         except CleanupTimeout as exc:
             log.warning("pgcoord: %s; the connection was closed", exc)
         except Exception as exc:
-            log.warning("pgcoord: semaphore release after a rollback failed: %r", exc)
+            log.warning("pgcoord: waking semaphore waiters after a release failed: %r", exc)
         finally:
             await release_async(session, rollback=not done)
 
-    async def _rollback_and_notify_async(self, session: AsyncTxSession) -> None:
-        await session.rollback()
-        await session.run_autocommit(query("semaphore_notify"), (str(self.request.key),))
+    async def _wake_async(self, session: AsyncTxSession, rollback: bool) -> None:
+        if rollback:
+            await session.rollback()
+        driver = driver_connection(session)
+        if can_listen(driver, want_async=True):  # one round trip, outside any transaction
+            await AsyncLaneConn(driver, self.request.key).fetchval(
+                query("semaphore_wake"), self.request.key)
+        else:
+            await session.run_autocommit(query("semaphore_wake"), (self.request.key,))

@@ -58,9 +58,10 @@ COMMENT ON VIEW pgcoord.holders IS
 
 DROP FUNCTION pgcoord.semaphore_wait_abandon(integer);
 DROP FUNCTION pgcoord.semaphore_release(integer, integer);
+DROP FUNCTION pgcoord.semaphore_wake(integer);
 DROP FUNCTION pgcoord.semaphore_adopt_xact(integer, integer);
 DROP FUNCTION pgcoord.semaphore_wait_try(integer, integer, boolean, integer[]);
-DROP FUNCTION pgcoord.semaphore_take_xact(integer, integer, integer[]);
+DROP FUNCTION pgcoord.semaphore_take_xact(integer, integer, integer[], boolean);
 DROP FUNCTION pgcoord.semaphore_try(integer, integer, boolean, integer[]);
 DROP FUNCTION pgcoord.semaphore_own_lanes(integer);
 DROP FUNCTION pgcoord.semaphore_key(text);

@@ -83,12 +83,16 @@ $body$;
 
 -- pgcoord.semaphore()'s acquire, sent together with BEGIN: a lane for this
 -- transaction, or SQLSTATE PC001 (so that the message fails as a whole and the
--- client sees "busy"). It also queues the release's notification: NOTIFY is
--- delivered at commit, which is when the lane is released. When the lanes in
+-- client sees "busy"). With `notify` it also queues the release's notification
+-- (delivered at commit, when the lane is released): only for a transaction of
+-- the caller's own, whose commit pgcoord does not see. A commit that NOTIFYs
+-- takes a database-wide lock, one committer at a time, so for its own
+-- transactions pgcoord instead wakes waiters after the commit, and only when
+-- someone is in the waiting room (semaphore_wake). When the lanes in
 -- `skip` (this session's own) are already every lane below sem_limit, SQLSTATE
 -- PC005: only this transaction could free one, so waiting would never end.
 CREATE FUNCTION pgcoord.semaphore_take_xact(
-    sem_key integer, sem_limit integer, skip integer[] DEFAULT NULL
+    sem_key integer, sem_limit integer, skip integer[] DEFAULT NULL, notify boolean DEFAULT true
 ) RETURNS integer
     LANGUAGE plpgsql VOLATILE
     AS $body$
@@ -105,7 +109,9 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = 'PC001',
             MESSAGE = 'pgcoord: every lane of semaphore ' || sem_key || ' is taken';
     END IF;
-    PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
+    IF notify THEN
+        PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
+    END IF;
     RETURN lane;
 END
 $body$;
@@ -136,8 +142,8 @@ END
 $body$;
 
 -- Turn the session-level lane a waiter got into this transaction's lane (the
--- same session takes it again at once, then lets go of the session level) and
--- queue the release's notification for commit, as semaphore_take_xact does.
+-- same session takes it again at once, then lets go of the session level).
+-- pgcoord wakes the next waiter after this transaction (semaphore_wake).
 -- Only a try: a session never conflicts with its own lock, so the take
 -- succeeds whenever the session holds the lane; if it does not (and another
 -- session does) this fails at once rather than queueing with no deadline.
@@ -150,28 +156,39 @@ BEGIN
         RAISE EXCEPTION USING
             MESSAGE = 'pgcoord: lane ' || lane || ' of semaphore ' || sem_key || ' was not held';
     END IF;
-    PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
     RETURN lane;
+END
+$body$;
+
+-- Tell the waiters of sem_key that a lane was freed (run after the lane is
+-- free: after the commit or rollback that ended its transaction, or after the
+-- unlock in the same statement). With nobody in the waiting room there is
+-- nobody to tell, and a NOTIFY costs every listener a wake-up and its commit a
+-- database-wide lock: the room is empty when its exclusive try succeeds. A
+-- waiter enters the room before its first try, in the same statement, so a
+-- waiter missed here tried after the lane was freed and saw it free.
+CREATE FUNCTION pgcoord.semaphore_wake(sem_key integer) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE
+    AS $body$
+BEGIN
+    IF pg_catalog.pg_try_advisory_lock(sem_key, -1) THEN
+        PERFORM pg_catalog.pg_advisory_unlock(sem_key, -1);
+        RETURN false;
+    END IF;
+    PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
+    RETURN true;
 END
 $body$;
 
 -- Release a session-level lane and tell the waiters, in one statement (the
 -- unlock is immediate; the notification goes at the end of the statement).
--- With nobody in the waiting room there is nobody to tell (a NOTIFY costs every
--- listener of the channel a wake-up): the room is empty when its exclusive
--- try succeeds. A waiter enters the room before its first try, in the same
--- statement, so a waiter missed here tried after the unlock and saw the lane free.
 CREATE FUNCTION pgcoord.semaphore_release(sem_key integer, lane integer) RETURNS boolean
     LANGUAGE plpgsql VOLATILE
     AS $body$
 DECLARE
     released boolean := pg_catalog.pg_advisory_unlock(sem_key, lane);
 BEGIN
-    IF pg_catalog.pg_try_advisory_lock(sem_key, -1) THEN
-        PERFORM pg_catalog.pg_advisory_unlock(sem_key, -1);
-    ELSE
-        PERFORM pg_catalog.pg_notify('pgcoord_semaphores', sem_key::text);
-    END IF;
+    PERFORM pgcoord.semaphore_wake(sem_key);
     RETURN released;
 END
 $body$;

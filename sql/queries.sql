@@ -229,15 +229,17 @@ SELECT pgcoord.job_prune($1, $2, $3)
 -- name: semaphore_take
 -- pgcoord.semaphore()'s acquire, sent after BEGIN in the same message; {key} and
 -- {limit} are integers validated in Python. Raises PC001 when every lane is taken.
-SELECT pgcoord.semaphore_take_xact({key}, {limit})
+-- No NOTIFY is queued: pgcoord wakes waiters after the commit (semaphore_wake).
+SELECT pgcoord.semaphore_take_xact({key}, {limit}, NULL, false)
 
 -- name: semaphore_take_call
-SELECT pgcoord.semaphore_take_xact($1, $2)
+SELECT pgcoord.semaphore_take_xact($1, $2, NULL, false)
 
 -- name: semaphore_take_joined
 -- In the caller's own transaction, which may already hold lanes of this
--- semaphore: those are not taken twice (a lock is re-entrant per session).
-SELECT pgcoord.semaphore_take_xact({key}, {limit}, pgcoord.semaphore_own_lanes({key}))
+-- semaphore: those are not taken twice (a lock is re-entrant per session). The
+-- release's NOTIFY is queued for the caller's commit, which pgcoord does not see.
+SELECT pgcoord.semaphore_take_xact({key}, {limit}, pgcoord.semaphore_own_lanes({key}), true)
 
 -- name: semaphore_adopt
 -- The lane a waiter got at session level becomes this transaction's, after BEGIN.
@@ -262,9 +264,9 @@ SELECT pgcoord.semaphore_own_lanes($1)
 -- name: semaphore_release
 SELECT pgcoord.semaphore_release($1, $2)
 
--- name: semaphore_notify
--- After a rollback, which discarded the notification queued with the acquire.
-SELECT pg_catalog.pg_notify('pgcoord_semaphores', $1)
+-- name: semaphore_wake
+-- After the commit or rollback that freed a lane: a NOTIFY if anyone waits.
+SELECT pgcoord.semaphore_wake($1)
 
 -- name: semaphore_record
 -- The registry that lets pgcoord.holders name lanes: once per process and name.

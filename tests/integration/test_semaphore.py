@@ -868,3 +868,29 @@ def test_a_sync_engine_on_a_driver_it_cannot_listen_on_waits_by_retrying(dsn: st
     finally:
         engine.dispose()
     assert _semaphore_locks(dsn, name) == 0
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_a_commit_with_nobody_waiting_sends_no_notification(dsn: str, kind: str) -> None:
+    """A NOTIFY makes every commit that sends one take a database-wide lock, one
+    at a time: a semaphore's commit sends it only when someone is in the waiting
+    room (a waiter enters before its first try, so one that came later saw the
+    lane free). Waiters being woken by it is tested above with no_recheck."""
+    name = unique("sem-quiet")
+    listener = await asyncpg.connect(dsn)
+    heard: list[str] = []
+    await listener.add_listener("pgcoord_semaphores",
+                                lambda _c, _p, _ch, payload: heard.append(payload))
+    try:
+        async with open_async(kind, dsn, size=1) as source:
+            for _ in range(3):
+                async with pgcoord.semaphore(source, name, limit=2) as conn:
+                    await conn.execute("select 1")
+            with pytest.raises(RuntimeError):
+                async with pgcoord.semaphore(source, name, limit=2):
+                    raise RuntimeError("rolled back")
+        await listener.execute("select 1")
+        await asyncio.sleep(0.2)
+        assert str(semaphore_key(name)) not in heard
+    finally:
+        await listener.close()
