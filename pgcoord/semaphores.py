@@ -12,10 +12,10 @@ lane, so waiting is not a server lock wait: the waiter LISTENs on
 release sends one when someone is in the waiting room: pgcoord sends it after
 the commit or rollback that freed the lane (a NOTIFY inside the transaction
 would make its commit take a database-wide lock); in the caller's own
-transaction, whose end pgcoord does not see, the acquire queues it for commit. A crashed holder sends nothing, and a
-notification could overtake the release it announces; for those a waiter also
-tries every ``SEMAPHORE_RECHECK`` seconds. That is the crash path: a normal
-release reaches a waiter by notification (bench/semaphore.py measures it).
+transaction, whose end pgcoord does not see, the acquire queues it for commit.
+A crashed holder sends nothing, and a notification could overtake the release
+it announces; for those a waiter also tries every ``SEMAPHORE_RECHECK`` seconds.
+That is the crash path: a normal release reaches a waiter by notification (bench/semaphore.py measures it).
 
 The wait runs on the caller's own connection, before its transaction: it
 LISTENs, enters the *waiting room* (the shared session lock ``(k, -1)``, which
