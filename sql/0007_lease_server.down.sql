@@ -1,6 +1,6 @@
 -- pgcoord 0007 down: back to judging a lease's session by its doorbell alone.
 
-CREATE OR REPLACE FUNCTION pgcoord.lease_session_alive(lease_name text, pid integer) RETURNS boolean
+CREATE FUNCTION pgcoord.lease_session_alive(lease_name text, pid integer) RETURNS boolean
     LANGUAGE sql STABLE
     RETURN pid IS NOT NULL AND EXISTS (
         SELECT 1 FROM pg_catalog.pg_locks AS l
@@ -9,6 +9,109 @@ CREATE OR REPLACE FUNCTION pgcoord.lease_session_alive(lease_name text, pid inte
           AND ((l.classid::bigint << 32) | l.objid::bigint) = pgcoord.lease_doorbell_key(lease_name)
     );
 
+CREATE OR REPLACE FUNCTION pgcoord.lease_acquire(
+    lease_name text, new_holder text, ttl_ms bigint, session_pid integer
+) RETURNS TABLE (fence bigint, expires_at timestamptz)
+    LANGUAGE sql
+    AS $body$
+        INSERT INTO pgcoord.leases AS l
+            (name, holder, fence, acquired_at, renewed_at, expires_at, holder_pid)
+        VALUES (lease_name, new_holder, 1, pg_catalog.clock_timestamp(), pg_catalog.clock_timestamp(),
+                pg_catalog.clock_timestamp() + ttl_ms * interval '1 millisecond', session_pid)
+        ON CONFLICT (name) DO UPDATE
+            SET holder = excluded.holder, fence = l.fence + 1,
+                acquired_at = pg_catalog.clock_timestamp(), renewed_at = pg_catalog.clock_timestamp(),
+                expires_at = pg_catalog.clock_timestamp() + ttl_ms * interval '1 millisecond',
+                holder_pid = excluded.holder_pid
+            WHERE l.holder IS NULL
+               OR l.expires_at <= pg_catalog.clock_timestamp()
+               OR (l.holder_pid IS NOT NULL
+                   AND NOT pgcoord.lease_session_alive(l.name, l.holder_pid))
+        RETURNING l.fence, l.expires_at
+    $body$;
+
+CREATE OR REPLACE VIEW pgcoord.holders AS
+WITH sem AS MATERIALIZED (
+    -- Registered semaphore keys as pg_locks shows them (classid is an unsigned
+    -- oid); names that collide on a key are listed together.
+    SELECT (s.key::bigint & 4294967295)::oid AS classid, s.key,
+           pg_catalog.string_agg(s.name, ' | ' ORDER BY s.name) AS name
+    FROM pgcoord.semaphores AS s
+    GROUP BY s.key
+)
+SELECT
+    'advisory'::text                                   AS kind,
+    n.name                                             AS name,
+    k.key                                              AS key,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text) AS holder,
+    l.pid                                              AS pid,
+    a.application_name                                 AS application_name,
+    a.client_addr                                      AS client_addr,
+    l.granted                                          AS granted,
+    CASE WHEN l.granted THEN coalesce(a.xact_start, a.backend_start)
+         ELSE l.waitstart END                          AS since,
+    NULL::timestamptz                                  AS expires_at,
+    NULL::bigint                                       AS fence,
+    CASE WHEN l.granted THEN NULL::integer[]
+         ELSE pg_catalog.pg_blocking_pids(l.pid) END   AS blocked_by,
+    (l.mode = 'ShareLock')                             AS shared,
+    (a.pid IS NOT NULL)                                AS session_alive,
+    ms.name                                            AS member,
+    NULL::integer                                      AS lane
+FROM pg_catalog.pg_locks AS l
+CROSS JOIN LATERAL (
+    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+) AS k
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.lock_names AS n ON n.key = k.key AND l.objsubid = 1
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+  AND NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
+UNION ALL
+-- A granted lane is a holder; the waiting room (lane -1) holds the waiters,
+-- shown as not granted, since when their session last changed state.
+SELECT
+    'semaphore'::text, sem.name, sem.key::bigint,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text), l.pid,
+    a.application_name, a.client_addr,
+    (l.objid <> 4294967295::oid),
+    CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start)
+         ELSE a.state_change END,
+    NULL::timestamptz, NULL::bigint, NULL::integer[], false, (a.pid IS NOT NULL), ms.name,
+    CASE WHEN l.objid <> 4294967295::oid THEN l.objid::bigint::integer END
+FROM pg_catalog.pg_locks AS l
+JOIN sem ON sem.classid = l.classid
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+UNION ALL
+SELECT
+    'lease'::text, s.name, NULL::bigint, s.holder, s.holder_pid, a.application_name,
+    a.client_addr, true, s.acquired_at, s.expires_at, s.fence, NULL::integer[], false,
+    CASE WHEN s.holder_pid IS NULL THEN NULL
+         ELSE pgcoord.lease_session_alive(s.name, s.holder_pid) END,
+    ms.name, NULL::integer
+FROM pgcoord.leases AS s
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = s.holder_pid
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = s.holder_pid AND ms.left_at IS NULL
+WHERE s.holder IS NOT NULL AND s.expires_at > pg_catalog.clock_timestamp()
+UNION ALL
+SELECT
+    'job'::text, j.job || ' @ ' || pg_catalog.to_char(j.slot_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'),
+    NULL::bigint, j.runner, NULL::integer, NULL::text, NULL::inet, true, j.started_at,
+    j.claim_expires_at, j.attempt::bigint, NULL::integer[], false,
+    (j.claim_expires_at > pg_catalog.clock_timestamp()),
+    ms.name, NULL::integer
+FROM pgcoord.job_slots AS j
+LEFT JOIN pgcoord.member_sessions AS ms
+       ON j.runner = ms.name || '/' || ms.id::text AND ms.left_at IS NULL
+WHERE j.state = 'running';
+
+DROP FUNCTION pgcoord.lease_session_alive(text, integer, text);
 DROP TRIGGER leases_note_server ON pgcoord.leases;
 DROP FUNCTION pgcoord.leases_note_server();
 DROP FUNCTION pgcoord.server_incarnation();

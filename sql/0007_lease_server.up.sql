@@ -15,9 +15,12 @@ ALTER TABLE pgcoord.leases ADD COLUMN holder_server text;
 COMMENT ON COLUMN pgcoord.leases.holder_server IS
     'pgcoord: the server incarnation (pgcoord.server_incarnation()) holder_pid belongs to.';
 
--- This server's incarnation: when its postmaster started (a restart changes it)
--- and its WAL timeline (a promotion changes it). NULL on a standby, which writes
--- no lease rows and whose timeline is not yet its own.
+-- This server's incarnation: when its postmaster started and its WAL timeline.
+-- A promotion changes the timeline; a stop and start changes the start time. A
+-- crash restart (a backend killed, the postmaster reinitialising in place) keeps
+-- both: that is fine, since every session and its doorbell are gone with it, so a
+-- lease is taken over at once, as before 0007. NULL on a standby, which writes no
+-- lease rows and whose timeline is not yet its own.
 CREATE FUNCTION pgcoord.server_incarnation() RETURNS text
     LANGUAGE sql STABLE
     RETURN CASE WHEN NOT pg_catalog.pg_is_in_recovery() THEN
@@ -39,23 +42,134 @@ $body$;
 CREATE TRIGGER leases_note_server BEFORE INSERT OR UPDATE OF holder_pid ON pgcoord.leases
     FOR EACH ROW EXECUTE FUNCTION pgcoord.leases_note_server();
 
+-- Rows written before now name no incarnation, and renewals never write holder_pid,
+-- so the trigger would never stamp them: their sessions are on this server.
+UPDATE pgcoord.leases SET holder_server = pgcoord.server_incarnation() WHERE holder_pid IS NOT NULL;
+
 -- True while the session that took a lease still holds its doorbell, and also while
 -- that session lived on another incarnation of the server (it cannot be looked up
--- here: the lease expires instead). Rows written before 0007 name no incarnation
--- and are judged by the doorbell alone, as before.
-CREATE OR REPLACE FUNCTION pgcoord.lease_session_alive(lease_name text, pid integer) RETURNS boolean
+-- here: the lease expires instead). The caller passes the row's holder_server, so
+-- the function reads no table: the operator role, granted only pgcoord.holders,
+-- calls it through the view. The incarnation is compared first, being cheap.
+CREATE FUNCTION pgcoord.lease_session_alive(lease_name text, pid integer, server text) RETURNS boolean
     LANGUAGE sql STABLE
     RETURN pid IS NOT NULL AND (
-        EXISTS (
+        (server IS NOT NULL AND server IS DISTINCT FROM pgcoord.server_incarnation())
+        OR EXISTS (
             SELECT 1 FROM pg_catalog.pg_locks AS l
             WHERE l.locktype = 'advisory' AND l.granted AND l.pid = lease_session_alive.pid
               AND l.objsubid = 1
               AND ((l.classid::bigint << 32) | l.objid::bigint) = pgcoord.lease_doorbell_key(lease_name)
         )
-        OR EXISTS (
-            SELECT 1 FROM pgcoord.leases AS s
-            WHERE s.name = lease_name AND s.holder_pid = lease_session_alive.pid
-              AND s.holder_server IS NOT NULL
-              AND s.holder_server IS DISTINCT FROM pgcoord.server_incarnation()
-        )
     );
+
+CREATE OR REPLACE FUNCTION pgcoord.lease_acquire(
+    lease_name text, new_holder text, ttl_ms bigint, session_pid integer
+) RETURNS TABLE (fence bigint, expires_at timestamptz)
+    LANGUAGE sql
+    AS $body$
+        INSERT INTO pgcoord.leases AS l
+            (name, holder, fence, acquired_at, renewed_at, expires_at, holder_pid)
+        VALUES (lease_name, new_holder, 1, pg_catalog.clock_timestamp(), pg_catalog.clock_timestamp(),
+                pg_catalog.clock_timestamp() + ttl_ms * interval '1 millisecond', session_pid)
+        ON CONFLICT (name) DO UPDATE
+            SET holder = excluded.holder, fence = l.fence + 1,
+                acquired_at = pg_catalog.clock_timestamp(), renewed_at = pg_catalog.clock_timestamp(),
+                expires_at = pg_catalog.clock_timestamp() + ttl_ms * interval '1 millisecond',
+                holder_pid = excluded.holder_pid
+            WHERE l.holder IS NULL
+               OR l.expires_at <= pg_catalog.clock_timestamp()
+               OR (l.holder_pid IS NOT NULL
+                   AND NOT pgcoord.lease_session_alive(l.name, l.holder_pid, l.holder_server))
+        RETURNING l.fence, l.expires_at
+    $body$;
+
+CREATE OR REPLACE VIEW pgcoord.holders AS
+WITH sem AS MATERIALIZED (
+    -- Registered semaphore keys as pg_locks shows them (classid is an unsigned
+    -- oid); names that collide on a key are listed together.
+    SELECT (s.key::bigint & 4294967295)::oid AS classid, s.key,
+           pg_catalog.string_agg(s.name, ' | ' ORDER BY s.name) AS name
+    FROM pgcoord.semaphores AS s
+    GROUP BY s.key
+)
+SELECT
+    'advisory'::text                                   AS kind,
+    n.name                                             AS name,
+    k.key                                              AS key,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text) AS holder,
+    l.pid                                              AS pid,
+    a.application_name                                 AS application_name,
+    a.client_addr                                      AS client_addr,
+    l.granted                                          AS granted,
+    CASE WHEN l.granted THEN coalesce(a.xact_start, a.backend_start)
+         ELSE l.waitstart END                          AS since,
+    NULL::timestamptz                                  AS expires_at,
+    NULL::bigint                                       AS fence,
+    CASE WHEN l.granted THEN NULL::integer[]
+         ELSE pg_catalog.pg_blocking_pids(l.pid) END   AS blocked_by,
+    (l.mode = 'ShareLock')                             AS shared,
+    (a.pid IS NOT NULL)                                AS session_alive,
+    ms.name                                            AS member,
+    NULL::integer                                      AS lane
+FROM pg_catalog.pg_locks AS l
+CROSS JOIN LATERAL (
+    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+) AS k
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.lock_names AS n ON n.key = k.key AND l.objsubid = 1
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+  AND NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
+UNION ALL
+-- A granted lane is a holder; the waiting room (lane -1) holds the waiters,
+-- shown as not granted, since when their session last changed state.
+SELECT
+    'semaphore'::text, sem.name, sem.key::bigint,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text), l.pid,
+    a.application_name, a.client_addr,
+    (l.objid <> 4294967295::oid),
+    CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start)
+         ELSE a.state_change END,
+    NULL::timestamptz, NULL::bigint, NULL::integer[], false, (a.pid IS NOT NULL), ms.name,
+    CASE WHEN l.objid <> 4294967295::oid THEN l.objid::bigint::integer END
+FROM pg_catalog.pg_locks AS l
+JOIN sem ON sem.classid = l.classid
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+UNION ALL
+-- A session of another server incarnation cannot be looked up here: it is
+-- neither alive nor dead (NULL), and its pid may be an unrelated session's.
+SELECT
+    'lease'::text, s.name, NULL::bigint, s.holder, s.holder_pid, a.application_name,
+    a.client_addr, true, s.acquired_at, s.expires_at, s.fence, NULL::integer[], false,
+    CASE WHEN s.holder_pid IS NULL OR NOT here.here THEN NULL
+         ELSE pgcoord.lease_session_alive(s.name, s.holder_pid, s.holder_server) END,
+    ms.name, NULL::integer
+FROM pgcoord.leases AS s
+CROSS JOIN LATERAL (
+    SELECT s.holder_server IS NULL OR s.holder_server = pgcoord.server_incarnation() AS here
+) AS here
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON here.here AND a.pid = s.holder_pid
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = s.holder_pid AND ms.left_at IS NULL
+WHERE s.holder IS NOT NULL AND s.expires_at > pg_catalog.clock_timestamp()
+UNION ALL
+SELECT
+    'job'::text, j.job || ' @ ' || pg_catalog.to_char(j.slot_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'),
+    NULL::bigint, j.runner, NULL::integer, NULL::text, NULL::inet, true, j.started_at,
+    j.claim_expires_at, j.attempt::bigint, NULL::integer[], false,
+    (j.claim_expires_at > pg_catalog.clock_timestamp()),
+    ms.name, NULL::integer
+FROM pgcoord.job_slots AS j
+LEFT JOIN pgcoord.member_sessions AS ms
+       ON j.runner = ms.name || '/' || ms.id::text AND ms.left_at IS NULL
+WHERE j.state = 'running';
+
+-- Only the doorbell; nothing calls it any more, and a caller that did would miss
+-- the incarnation.
+DROP FUNCTION pgcoord.lease_session_alive(text, integer);

@@ -79,7 +79,7 @@ free AS MATERIALIZED (
     SELECT c.name FROM pgcoord.leases AS c
     WHERE c.name IN (SELECT lname FROM rung)
       AND (c.holder IS NULL OR c.expires_at <= pg_catalog.clock_timestamp()
-           OR (c.holder_pid IS NOT NULL AND NOT pgcoord.lease_session_alive(c.name, c.holder_pid)))
+           OR (c.holder_pid IS NOT NULL AND NOT pgcoord.lease_session_alive(c.name, c.holder_pid, c.holder_server)))
     FOR NO KEY UPDATE OF c SKIP LOCKED
 ),
 taken AS (

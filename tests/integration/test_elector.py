@@ -139,7 +139,7 @@ async def test_when_lead_returns_the_doorbell_is_fully_released(dsn: str) -> Non
     assert took < 0.5
     with psycopg.connect(dsn, autocommit=True) as admin:
         [(pid, alive)] = admin.execute(
-            "select holder_pid, pgcoord.lease_session_alive(name, holder_pid)"
+            "select holder_pid, pgcoord.lease_session_alive(name, holder_pid, holder_server)"
             " from pgcoord.leases where name = %s", (name,)).fetchall()
     assert pid == follower.elector._conn.backend_pid and alive  # type: ignore[union-attr]
     await first.stop()
