@@ -41,6 +41,7 @@ _TRY_AFTER_UNLOCK = {
 _UNLOCKS = query("holder_unlocks")
 _PROBE = query("holder_probe")
 _GIVE_BACK = query("holder_give_back")
+_SEMAPHORE_WAKE = query("semaphore_wake")
 
 def _is_lane(held: object) -> bool:
     """Whether a holding is a semaphore's lane (a two-int lock) rather than a key."""
@@ -355,14 +356,19 @@ class Carrier:
         if self.shared:
             await self._let_go_of_shared()
             return
+        # Read now: the bodies told to stop leave `holding` while this runs.
+        lane_keys = {held.request.key for held in self.holding if _is_lane(held)}
         try:
             async with self._io:
                 self._io_owner = "cleanup"
                 self._unlock_exclusive, self._unlock_shared = [], []
                 row = await self.conn.fetchrow(_GIVE_BACK, *self.saved)
-            assert row is not None
-            if row[0] != 0:
-                raise PgcoordError(f"{row[0]} advisory lock(s) still held after unlock_all")
+                assert row is not None
+                if row[0] != 0:
+                    raise PgcoordError(f"{row[0]} advisory lock(s) still held after unlock_all")
+                # Lanes of bodies still holding went with unlock_all: tell their waiters.
+                for key in lane_keys:
+                    await self.conn.fetchval(_SEMAPHORE_WAKE, key)
             await self.conn.give_back()
             self._discarded = True
         except BaseException as exc:

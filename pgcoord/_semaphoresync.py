@@ -125,11 +125,12 @@ class SyncSemaphore:
         if lanes.behind_pooler():
             self._retry_sync(session, deadline)
             return
+        lane: int | None = None
         try:
             lane = self._wait_sync(lanes, deadline)
             session.begin_locked(request.adopt(lane))
         except BaseException:
-            self._abandon_sync(session, lanes)
+            self._abandon_sync(session, lanes, adopting=lane is not None)
             raise
 
     def _retry_sync(self, session: SyncTxSession, deadline: float | None) -> None:
@@ -163,7 +164,9 @@ class SyncSemaphore:
                     raise request.timed_out()
             lanes.wait(pause)
 
-    def _abandon_sync(self, session: SyncTxSession, lanes: SyncLaneConn) -> None:
+    def _abandon_sync(
+        self, session: SyncTxSession, lanes: SyncLaneConn, *, adopting: bool = False,
+    ) -> None:
         """``_abandon_async`` for a sync connection: past CLEANUP_TIMEOUT the shared
         watchdog shuts its socket down, so the statement returns with an error and
         the connection is discarded."""
@@ -171,8 +174,10 @@ class SyncSemaphore:
         try:
             if session.in_transaction():
                 session.rollback()
-            lanes.fetchval(query("semaphore_wait_abandon"), self.request.key)
+            freed = lanes.fetchval(query("semaphore_wait_abandon"), self.request.key)
             lanes.forget()
+            if adopting and not freed:  # the rollback freed the adopted lane
+                lanes.fetchval(query("semaphore_wake"), self.request.key)
         except Exception as exc:
             _sem.log.warning("pgcoord: discarding the connection after a failed semaphore cleanup: %r",
                         exc)

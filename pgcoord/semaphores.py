@@ -295,11 +295,12 @@ class Semaphore(SyncSemaphore):
         if await lanes.behind_pooler():
             await self._retry_async(session, deadline)
             return
+        lane: int | None = None
         try:
             lane = await self._wait_async(lanes, deadline)
             await session.begin_locked(request.adopt(lane))
         except BaseException:
-            await self._abandon_async(session, lanes)
+            await self._abandon_async(session, lanes, adopting=lane is not None)
             raise
 
     async def _retry_async(self, session: AsyncTxSession, deadline: float | None) -> None:
@@ -337,11 +338,13 @@ class Semaphore(SyncSemaphore):
                     raise request.timed_out()
             await lanes.wait(pause)
 
-    async def _abandon_async(self, session: AsyncTxSession, lanes: AsyncLaneConn) -> None:
+    async def _abandon_async(
+        self, session: AsyncTxSession, lanes: AsyncLaneConn, *, adopting: bool = False,
+    ) -> None:
         """Undo a wait: no transaction, no lane, no waiting room, no LISTEN; bounded.
         A connection that cannot be made so is discarded."""
         try:
-            await finish_despite_cancel(self._undo_wait_async(session, lanes),
+            await finish_despite_cancel(self._undo_wait_async(session, lanes, adopting),
                                         bound=CLEANUP_TIMEOUT, on_timeout=session.sever)
         except CleanupTimeout as exc:
             log.warning("pgcoord: %s; the connection was closed", exc)
@@ -353,11 +356,17 @@ class Semaphore(SyncSemaphore):
             except Exception as close_exc:
                 log.warning("pgcoord: closing the connection failed too: %r", close_exc)
 
-    async def _undo_wait_async(self, session: AsyncTxSession, lanes: AsyncLaneConn) -> None:
-        if session.in_transaction():
-            await session.rollback()
-        await lanes.fetchval(query("semaphore_wait_abandon"), self.request.key)
+    async def _undo_wait_async(
+        self, session: AsyncTxSession, lanes: AsyncLaneConn, adopting: bool,
+    ) -> None:
+        # Always: a BEGIN cancelled in flight may not show as a transaction yet.
+        await session.rollback()
+        freed = await lanes.fetchval(query("semaphore_wait_abandon"), self.request.key)
         await lanes.forget()
+        if adopting and not freed:
+            # The adopt ran (the lane was the transaction's, freed by the rollback,
+            # which the abandon could not see): tell the next waiter.
+            await lanes.fetchval(query("semaphore_wake"), self.request.key)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,

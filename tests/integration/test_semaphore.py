@@ -894,3 +894,75 @@ async def test_a_commit_with_nobody_waiting_sends_no_notification(dsn: str, kind
         assert str(semaphore_key(name)) not in heard
     finally:
         await listener.close()
+
+
+@pytest.mark.usefixtures("no_recheck")
+async def test_closing_a_holder_under_a_body_wakes_a_waiter(dsn: str) -> None:
+    """LockHolder.close() with a body still in a slot releases the lane with the
+    session's give-back: a waiter elsewhere is told (not left to the recheck)."""
+    name = unique("sem-close")
+    waiter_conn = await asyncpg.connect(dsn)
+    holder = pgcoord.LockHolder(dsn)
+    await holder.open()
+    entered = asyncio.Event()
+
+    async def body() -> None:
+        async with holder.semaphore(name, limit=1):
+            entered.set()
+            await asyncio.sleep(30)
+
+    held = asyncio.create_task(body())
+    try:
+        await entered.wait()
+        waiter = asyncio.create_task(_hold_once(waiter_conn, name))
+        await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+        await holder.close()
+        with pytest.raises(pgcoord.LockLost):
+            await held
+        await asyncio.wait_for(waiter, 5)
+    finally:
+        held.cancel()
+        await waiter_conn.close()
+
+
+@pytest.mark.usefixtures("no_recheck")
+async def test_a_wait_cancelled_after_its_lane_was_adopted_wakes_the_next(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiter cancelled once its lane became its transaction's (the adopt ran,
+    which let go of the session-level lane) frees the lane with its rollback:
+    the next waiter is told."""
+    name = unique("sem-adopt-cancel")
+    real_adopt = pgcoord.semaphores.SemaphoreRequest.adopt
+
+    def slow_adopt(self: Any, lane: int) -> Any:
+        stmt = real_adopt(self, lane)
+        sql_text = stmt.bound.rstrip().rstrip(";") + ", pg_catalog.pg_sleep(2)"
+        return type(stmt)(sql_text, sql_text, ())
+
+    monkeypatch.setattr(pgcoord.semaphores.SemaphoreRequest, "adopt", slow_adopt)
+    key = semaphore_key(name)
+    async with open_async("asyncpg-conn", dsn, size=1) as first, \
+            open_async("psycopg-conn", dsn, size=1) as second:
+        blocker = await asyncpg.connect(dsn)
+        try:
+            tx = blocker.transaction()
+            await tx.start()
+            await blocker.fetchval("select pgcoord.semaphore_take_xact($1, 1)", key)
+            waiter = asyncio.create_task(_hold_once(first, name))
+            await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+            await tx.commit()  # the notification wakes `first`, which adopts slowly
+            await blocker.fetchval("select pgcoord.semaphore_wake($1)", key)
+            await _wait_until(lambda: bool(sql(
+                dsn, "select 1 from pg_stat_activity where query like %s and state = 'active'",
+                "%semaphore_adopt_xact%pg_sleep(2)%")))
+            monkeypatch.setattr(pgcoord.semaphores.SemaphoreRequest, "adopt", real_adopt)
+            second_waiter = asyncio.create_task(_hold_once(second, name))
+            await _wait_until(lambda: sorted(g for _, _, g in _lanes(dsn, name)) == [False, True])
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            await asyncio.wait_for(second_waiter, 5)
+        finally:
+            await blocker.close()
+    assert _semaphore_locks(dsn, name) == 0
