@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -143,7 +143,6 @@ class Job:
     after: dt.datetime | None = None
     #: The first slot after ``after``: nothing to do for this job before then.
     next_due: dt.datetime | None = None
-    last_prune: float = field(default=0.0)
 
     def slots_after(self, after: dt.datetime, until: dt.datetime) -> list[dt.datetime]:
         """Scheduled instants in (after, until], in UTC, at most MAX_SLOTS_PER_TICK."""

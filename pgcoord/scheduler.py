@@ -539,7 +539,7 @@ class Scheduler(SlotRunner):
 
     async def tick(self) -> float:
         """One pass over every schedule; returns when (database epoch seconds) to look
-        again. Every due schedule is decided in one statement."""
+        again. The due slots of all schedules are decided together, in batches."""
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
         now, epoch, owed = as_utc(row[0]), int(row[1]), row[2] or []
@@ -565,8 +565,10 @@ class Scheduler(SlotRunner):
         await self._decide([spec], dt.datetime.fromtimestamp(self._db_now(), UTC))
 
     async def _decide(self, specs: list[Job], now: dt.datetime) -> None:
-        """Decide the due slots of ``specs`` in one statement: claim those to run,
-        record the others missed or skipped; start what this replica claimed."""
+        """Decide the due slots of ``specs`` in a statement per DECIDE_BATCH: claim those
+        to run, record the others missed or skipped; start what this replica claimed. A
+        failed batch fails the tick; the next one decides those slots again (a slot
+        claimed meanwhile by anyone is not claimed twice: the primary key)."""
         if not specs:
             return
         try:
