@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pgcoord.session")
 
+# SQLSTATE query_canceled: a statement stopped part way, its effects unknown.
+_QUERY_CANCELED = "57014"
+
 # Lanes held through each driver connection by this process: (key, lane) -> count.
 # Keyed by the driver's connection, which holders sharing one member's session share.
 _held_lanes: dict[Any, collections.Counter[tuple[int, int]]] = {}
@@ -287,11 +290,35 @@ class HeldSemaphore:
             lock = _try_locks[conn] = asyncio.Lock()
         async with lock:
             skip = _lanes_of(main, key) or None
-            lane = await main.call(query("semaphore_try_session"), key, limit, skip)
+            try:
+                lane = await main.call(query("semaphore_try_session"), key, limit, skip)
+            except Exception as exc:
+                if _errmap.sqlstate(exc) == _QUERY_CANCELED and not main.lost:
+                    await self._release_strays(main)
+                raise
             if lane is None:
                 return None
             _note(main, key, int(lane), +1)
             return int(lane)
+
+    async def _release_strays(self, main: Carrier) -> None:
+        """The server cancelled a try part way (statement_timeout, an operator's
+        pg_cancel_backend): a lane it took stays with the session, since session
+        locks outlive the statement's error. Release the lanes of this key the
+        session holds that no holder noted (the try lock is held); failing that,
+        end the session, which releases them."""
+        key = self.request.key
+        try:
+            own = await main.call(query("semaphore_own_lanes"), key) or []
+            noted = _lanes_of(main, key)
+            for lane in own:
+                if lane not in noted:
+                    await main.call(query("semaphore_release"), key, lane)
+        except Exception as exc:
+            if not main.lost:
+                main.mark_lost(f"could not release a lane after a cancelled try: {exc!r}")
+                if main.shared:
+                    _sweep_later(self.holder, main, self.request)
 
     async def _wait_elsewhere(self, deadline: float | None) -> tuple[Carrier, int]:
         """Wait on a connection of its own, so the main one stays free."""

@@ -966,3 +966,32 @@ async def test_a_wait_cancelled_after_its_lane_was_adopted_wakes_the_next(
         finally:
             await blocker.close()
     assert _semaphore_locks(dsn, name) == 0
+
+
+async def test_a_holder_try_cancelled_by_the_server_leaves_no_lane(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session-level try the server cancels (statement_timeout here) after it
+    took a lane: the session locks survive the error, so pgcoord lets go of the
+    lane it never recorded instead of keeping it for the holder's lifetime."""
+    name = unique("sem-57014")
+    real_query = pgcoord._holdersemaphore.query
+
+    def slow_query(which: str) -> str:
+        if which != "semaphore_try_session":
+            return real_query(which)
+        return ("WITH t AS MATERIALIZED (SELECT pgcoord.semaphore_try($1, $2, true,"
+                " CAST($3 AS integer[])) AS l) SELECT t.l FROM t,"
+                " LATERAL pg_catalog.pg_sleep(CASE WHEN t.l IS NULL THEN 0 ELSE 1 END)")
+
+    async with pgcoord.LockHolder(dsn) as holder:
+        async with holder.semaphore(name, limit=2, wait=False):  # records the name
+            pass
+        assert holder._main is not None
+        await holder._main.call("SET statement_timeout = '200ms'")
+        monkeypatch.setattr(pgcoord._holdersemaphore, "query", slow_query)
+        with pytest.raises(Exception, match="(?i)cancel"):
+            async with holder.semaphore(name, limit=2, wait=False):
+                pass
+        monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 3)
