@@ -331,6 +331,7 @@ class HeldSemaphore:
                 woken.set()
 
         stop_listening = None
+        noted: int | None = None
         try:
             stop_listening = await _listen(carrier, on_notify)
             enter = True
@@ -339,9 +340,10 @@ class HeldSemaphore:
                                           request.limit, enter, None)
                 enter = False
                 if lane is not None:
-                    _note(carrier, request.key, int(lane), +1)
+                    noted = int(lane)
+                    _note(carrier, request.key, noted, +1)
                     await stop_listening()  # the server stopped with the try that got it
-                    return carrier, int(lane)
+                    return carrier, noted
                 pause = SEMAPHORE_RECHECK
                 if deadline is not None:
                     pause = min(pause, deadline - time.monotonic())
@@ -351,6 +353,8 @@ class HeldSemaphore:
                     await asyncio.wait_for(woken.wait(), pause)
                 woken.clear()
         except BaseException as exc:
+            if noted is not None:  # the give-up frees it (or the connection goes)
+                _note(carrier, request.key, noted, -1)
             await self._give_up(carrier, stop_listening)
             if isinstance(exc, PgcoordError | asyncio.CancelledError):
                 raise

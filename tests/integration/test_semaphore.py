@@ -995,3 +995,46 @@ async def test_a_holder_try_cancelled_by_the_server_leaves_no_lane(
                 pass
         monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
         await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 3)
+
+
+async def test_a_wait_failing_after_it_got_its_lane_forgets_the_lane(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder's wait that fails between getting its lane and returning (here
+    its stop-listening raises) frees the lane and forgets it: a stale note would
+    make any later user of that connection in this process skip the lane."""
+    name = unique("sem-stale")
+    key = semaphore_key(name)
+    real_listen = pgcoord._holdersemaphore._listen
+
+    async def failing_listen(carrier: Any, callback: Any) -> Any:
+        stop = await real_listen(carrier, callback)
+
+        failed: list[bool] = []
+
+        async def failing_stop() -> None:
+            await stop()
+            if not failed:  # once: the give-up stops listening again
+                failed.append(True)
+                raise RuntimeError("stop failed")
+
+        return failing_stop
+
+    monkeypatch.setattr(pgcoord._holdersemaphore, "_listen", failing_listen)
+    blocker = await asyncpg.connect(dsn)
+    try:
+        async with pgcoord.LockHolder(dsn) as holder:
+            tx = blocker.transaction()
+            await tx.start()
+            await blocker.fetchval("select pgcoord.semaphore_take_xact($1, 1)", key)
+            waiter = asyncio.create_task(_holder_once(holder, name))
+            await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+            await tx.commit()
+            await blocker.fetchval("select pgcoord.semaphore_wake($1)", key)
+            with pytest.raises(RuntimeError, match="stop failed"):
+                await asyncio.wait_for(waiter, 5)
+            assert not [lanes for lanes in pgcoord._holdersemaphore._held_lanes.values()
+                        if any(k == key for k, _ in lanes)]
+            await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
+    finally:
+        await blocker.close()
