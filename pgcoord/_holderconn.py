@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from ._dsnhosts import asyncpg_connect, psycopg_connect_timeout
 from ._queries import query
 from .errors import PoolExhausted, UnsupportedConnection
 
@@ -216,9 +217,7 @@ class DsnSource(ConnectionSource):
 
     async def open(self) -> HolderConnection:
         if self.driver == "asyncpg":
-            import asyncpg
-
-            return _wrap(await asyncpg.connect(self.dsn), None)
+            return _wrap(await asyncpg_connect(self.dsn, self.keepalive), None)
         import psycopg
 
         idle = max(1, int(self.keepalive / 2))
@@ -226,6 +225,7 @@ class DsnSource(ConnectionSource):
             self.dsn, autocommit=True, keepalives=1, keepalives_idle=idle,
             keepalives_interval=max(1, idle // 2), keepalives_count=3,
             tcp_user_timeout=int(self.keepalive * 1000),
+            **psycopg_connect_timeout(self.dsn, self.keepalive),
         )
         return _wrap(conn, None)
 

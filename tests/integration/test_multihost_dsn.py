@@ -5,6 +5,7 @@ the failover itself is in test_ha.py."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -76,3 +77,56 @@ def test_migrate_takes_a_multi_host_url(fresh_db: str, capsys: pytest.CaptureFix
     assert main(["migrate", "--dsn", url(fresh_db)]) == 0
     assert f"-> {pgcoord.migrations.head()}" in capsys.readouterr().out
     assert pgcoord.migrations.current(url(fresh_db)) == pgcoord.migrations.head()
+
+
+def _frozen_listener() -> socket.socket:
+    """A host that accepts TCP connections (the kernel completes the handshake) and
+    never answers, as a frozen primary or a proxy whose backend hangs does."""
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(64)
+    return frozen
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_frozen_first_host_does_not_keep_the_dsn_from_the_second(dsn: str, driver: str) -> None:
+    """Each host gets its own connect timeout: an elector (ttl 2 s) whose DSN lists a
+    host that never answers first leads through the second within a few seconds,
+    and so does a LockHolder (keepalive 2 s)."""
+    frozen = _frozen_listener()
+    port, db = _port_and_db(dsn)
+    multi = (f"postgresql://postgres@127.0.0.1:{frozen.getsockname()[1]},127.0.0.1:{port}/{db}"
+             "?target_session_attrs=read-write")
+    name = unique("frozen-first")
+    led = asyncio.Event()
+
+    async def lead(fence: int) -> None:
+        led.set()
+        await asyncio.Event().wait()
+
+    elector = pgcoord.Elector(multi, name, ttl=2.0, driver=driver)
+    task = asyncio.create_task(elector.run(lead))
+    try:
+        async with asyncio.timeout(10):
+            await led.wait()
+            async with pgcoord.LockHolder(multi, keepalive=2.0, driver=driver) as holder, \
+                    holder.lock(name):
+                assert sql(dsn, "select count(*) from pgcoord.holders where name = %s and granted",
+                           name)[0][0] == 1
+    finally:
+        await elector.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        frozen.close()
+
+
+async def test_a_frozen_first_host_in_a_key_value_dsn(dsn: str) -> None:
+    frozen = _frozen_listener()
+    port, db = _port_and_db(dsn)
+    multi = make_conninfo("", host="127.0.0.1,127.0.0.1", port=f"{frozen.getsockname()[1]},{port}",
+                          user="postgres", dbname=db, target_session_attrs="read-write")
+    try:
+        async with asyncio.timeout(10):
+            async with pgcoord.LockHolder(multi, keepalive=2.0) as holder, holder.lock(unique("kv")):
+                pass
+    finally:
+        frozen.close()
