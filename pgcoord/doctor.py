@@ -240,9 +240,9 @@ async def run_checks_async(dsn: str, *, locks: int = 0, connections: int = 0, ro
     ``role``: whose privileges to check (default: the role connected)."""
     from ._clierrors import describe, explain, libpq_dsn, with_connect_timeout
 
-    source = DsnSource(with_connect_timeout(libpq_dsn(dsn)) if "://" in dsn else dsn, _driver(),
-                       keepalive=10.0)
-    try:
+    try:  # a DSN no installed driver reads is a connect failure too
+        source = DsnSource(with_connect_timeout(libpq_dsn(dsn)) if "://" in dsn else dsn, _driver(),
+                           keepalive=10.0)
         conn = await source.open()
     except Exception as exc:
         failure = explain(exc, dsn)
@@ -309,15 +309,20 @@ def add_parser(sub: Any, parents: list[Any], default_dsn: str | None) -> None:
 def cmd_doctor(args: Any) -> int:
     import json
 
-    from ._clierrors import EXIT_USAGE, CliError, check_dsn
+    from ._clierrors import EXIT_USAGE, CliError, check_dsn, explain
 
     if not args.dsn:
         raise CliError(EXIT_USAGE, "no database given: pass --dsn postgresql://user@host/dbname "
                                    "or set PGCOORD_DSN")
     if args.locks < 0 or args.connections < 0:
         raise CliError(EXIT_USAGE, "--locks and --connections take a number >= 0")
-    checks = run_checks(check_dsn(str(args.dsn)), locks=args.locks, connections=args.connections,
-                        role=args.role)
+    dsn = check_dsn(str(args.dsn))
+    try:
+        checks = run_checks(dsn, locks=args.locks, connections=args.connections, role=args.role)
+    except Exception as exc:
+        # main() would exit 1 (EXIT_ERROR), which for doctor means "a warning": a doctor
+        # that could not run at all is a failure (2), still in one line.
+        raise CliError(EXIT_STATUS[FAIL], explain(exc, dsn).message) from exc
     if args.json:
         print(json.dumps({"status": exit_status(checks),
                           "checks": [c.as_dict() for c in checks]}, indent=2))

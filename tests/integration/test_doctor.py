@@ -7,12 +7,15 @@ The replication checks run against a real primary and standby in test_ha.py
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 import pgcoord.migrations
 from pgcoord._embedded import EmbeddedServer
@@ -176,3 +179,29 @@ def test_a_transaction_mode_pooler_is_a_warning(dsn: str, capsys: pytest.Capture
             bouncer.stop()
         assert checks["pooler"].status == expected, (mode, checks["pooler"])
         assert "pooler" in checks["pooler"].detail
+
+
+_WITHOUT_PSYCOPG = """
+import importlib.util, sys
+# As on a machine where only asyncpg is installed: psycopg can be neither found nor imported.
+found = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "psycopg" else found(name, *a)
+class NoPsycopg:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "psycopg":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoPsycopg())
+from pgcoord.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_internal_error_is_a_failure_not_a_warning(dsn: str) -> None:
+    """Exit 1 means "a warning"; doctor failing to run at all (here: a key=value DSN,
+    which only psycopg reads, with only asyncpg installed) must exit 2, in one line."""
+    params = conninfo_to_dict(dsn)
+    key_value = f"host=127.0.0.1 port={params['port']} user=postgres dbname={params['dbname']}"
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_PSYCOPG, "doctor", "--dsn", key_value],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert "psycopg" in run.stdout + run.stderr and "Traceback" not in run.stderr

@@ -4,6 +4,8 @@ the rest is checked against real servers in tests/integration/test_doctor.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from pgcoord.doctor import (
     Check,
     check_replication,
@@ -45,3 +47,18 @@ def test_service_grants_come_from_roles_sql() -> None:
     assert ("table", "pgcoord.leases", "UPDATE") in grants
     assert ("sequence", "pgcoord.member_ids", "USAGE") in grants
     assert all(kind in ("schema", "table", "sequence") for kind, _, _ in grants)
+
+
+def test_a_doctor_that_cannot_run_exits_2_not_1(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An error escaping the checks (a bug, an environment doctor did not foresee)
+    must not look like a warning (1)."""
+    import pgcoord.doctor
+    from pgcoord.cli import main
+
+    def broken(dsn: str, **options: object) -> list[Check]:
+        raise RuntimeError("something doctor did not foresee")
+
+    monkeypatch.setattr(pgcoord.doctor, "run_checks", broken)
+    assert main(["doctor", "--dsn", "postgresql://u@db.invalid/app"]) == 2
+    assert "something doctor did not foresee" in capsys.readouterr().err
