@@ -147,10 +147,16 @@ def check_connections(max_conn: int, reserved: int, in_use: int, expected: int) 
 
 
 def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknown: int,
-                      sync_commit: str) -> Check:
+                      sync_commit: str, sync_names: str = "") -> Check:
     if in_recovery:
         return Check("replication", FAIL, "connected to a standby (read-only): pgcoord cannot write here",
                      "list every server in the DSN with target_session_attrs=read-write")
+    if sync_names.strip() and synchronous == 0 and not unknown:
+        # Every commit that writes waits for a synchronous standby that is not there.
+        return Check("replication", FAIL,
+                     f"synchronous_standby_names is {sync_names!r} but no such standby is streaming "
+                     f"({standbys} connected): every commit that writes waits until one is",
+                     "start the standby, or empty synchronous_standby_names until it is back")
     if standbys == 0:
         return Check("replication", PASS, "no streaming standbys")
     if unknown:
@@ -222,9 +228,9 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
     capacity, advisory, max_conn, reserved, clients = await conn.fetchrow(_q("doctor_capacity"))  # type: ignore[misc]
     checks.append(check_locks(int(capacity), int(advisory), locks))
     checks.append(check_connections(int(max_conn), int(reserved), int(clients), connections))
-    standbys, synchronous, unknown = await conn.fetchrow(_q("doctor_standbys"))  # type: ignore[misc]
+    standbys, synchronous, unknown, sync_names = await conn.fetchrow(_q("doctor_standbys"))  # type: ignore[misc]
     checks.append(check_replication(bool(in_recovery), int(standbys), int(synchronous), int(unknown),
-                                    str(sync_commit)))
+                                    str(sync_commit), str(sync_names or "")))
     checks.append(check_synchronous_commit(str(sync_commit)))
     checks.append(check_clock(skew))
     conn.backend_pid = int(pid)

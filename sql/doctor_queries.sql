@@ -42,10 +42,12 @@ SELECT pg_catalog.current_setting('max_locks_per_transaction')::int
 -- name: doctor_standbys
 -- The standbys streaming from this server: all, those whose commits wait for them
 -- (sync_state sync or quorum), and those whose state this role may not see (a role
--- without pg_monitor sees the rows, with NULL in their columns).
+-- without pg_monitor sees the rows, with NULL in their columns), and the standbys
+-- commits are told to wait for (synchronous_standby_names).
 SELECT count(*),
        count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')),
-       count(*) FILTER (WHERE sync_state IS NULL)
+       count(*) FILTER (WHERE sync_state IS NULL),
+       pg_catalog.current_setting('synchronous_standby_names')
 FROM pg_catalog.pg_stat_replication
 
 -- name: doctor_missing_privileges

@@ -205,3 +205,13 @@ def test_an_internal_error_is_a_failure_not_a_warning(dsn: str) -> None:
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert "psycopg" in run.stdout + run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_synchronous_standby_named_but_not_connected_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """synchronous_standby_names set and no such standby streaming: every commit that
+    writes waits forever. That is no "no streaming standbys" pass."""
+    with EmbeddedServer({"synchronous_standby_names": "replica_b", "max_connections": "12"}) as server:
+        code, checks = doctor(capsys, "--dsn", server.dsn)
+    assert checks["replication"].status == "fail", checks["replication"]
+    assert "replica_b" in checks["replication"].detail
+    assert "synchronous_standby_names" in checks["replication"].fix and code == 2
