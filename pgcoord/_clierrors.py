@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ._errmap import _chain, sqlstate
 from .errors import SchemaMissing
@@ -94,9 +95,23 @@ def check_dsn(dsn: str, *, url_only: bool = False) -> str:
 
 
 def libpq_dsn(dsn: str) -> str:
-    """``dsn`` without a SQLAlchemy driver suffix (``postgresql+psycopg://``), for libpq."""
+    """``dsn`` without a SQLAlchemy driver suffix (``postgresql+psycopg://``), for libpq.
+    SQLAlchemy's multi-host form, one ``host=h:port`` parameter per server, becomes
+    libpq's ``@h1:p1,h2:p2``: libpq would keep only the last ``host=`` and read its
+    port as part of the host name."""
     scheme, sep, rest = dsn.partition("://")
-    return f"{scheme.split('+', 1)[0]}://{rest}" if sep and "+" in scheme else dsn
+    if not (sep and "+" in scheme):
+        return dsn
+    plain = f"{scheme.split('+', 1)[0]}://{rest}"
+    parts = urlsplit(plain)
+    userinfo, at, netloc_hosts = parts.netloc.rpartition("@")
+    params = parse_qsl(parts.query, keep_blank_values=True)
+    hosts = [v for k, v in params if k == "host"]
+    if netloc_hosts or not hosts or any(h.startswith("/") for h in hosts) or (
+            len(hosts) == 1 and ":" not in hosts[0]):
+        return plain  # one host (or a socket directory): libpq reads host= as it is
+    others = urlencode([(k, v) for k, v in params if k != "host"], safe=",:/")
+    return urlunsplit((parts.scheme, userinfo + at + ",".join(hosts), parts.path, others, parts.fragment))
 
 
 def has_connect_timeout(dsn: str) -> bool:

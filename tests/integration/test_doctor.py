@@ -215,3 +215,15 @@ def test_a_synchronous_standby_named_but_not_connected_fails(capsys: pytest.Capt
     assert checks["replication"].status == "fail", checks["replication"]
     assert "replica_b" in checks["replication"].detail
     assert "synchronous_standby_names" in checks["replication"].fix and code == 2
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_a_sqlalchemy_multi_host_url_reaches_the_server(dsn: str, driver: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The form docs/operations.md gives for SQLAlchemy, first host dead."""
+    params = conninfo_to_dict(dsn)
+    url = (f"postgresql+{driver}://postgres@/{params['dbname']}?host=127.0.0.1:1"
+           f"&host=127.0.0.1:{params['port']}&target_session_attrs=read-write")
+    _, checks = doctor(capsys, "--dsn", url)
+    assert checks["connect"].status == "pass", checks["connect"]
+    assert checks["schema"].status == "pass"
