@@ -3,8 +3,10 @@
     python semaphore_replica.py DSN NAME LIMIT SCOPE count TABLE TASKS
     python semaphore_replica.py DSN NAME LIMIT SCOPE hold
 
-SCOPE is "xact" (``pgcoord.semaphore`` over an asyncpg pool) or "session"
-(``holder.semaphore`` on a ``LockHolder``). ``count`` runs TASKS tasks that
+SCOPE is "xact" (``pgcoord.semaphore`` over an asyncpg pool), "joined" (the
+same inside a transaction of the caller's own), "pooler" (over a psycopg pool
+whose DSN is a transaction-mode PgBouncer's) or "session" (``holder.semaphore``
+on a ``LockHolder``). ``count`` runs TASKS tasks that
 each take a slot, add one to TABLE's ``cur`` (raising ``peak`` to it) on a
 connection of its own, hold for 0.1 s, subtract one and let go; it prints
 ``DONE``. ``hold`` takes one slot, prints ``HOLDING`` and holds it until killed.
@@ -13,6 +15,7 @@ connection of its own, hold for 0.1 s, subtract one and let go; it prints
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from typing import Any
 
@@ -22,15 +25,31 @@ import pgcoord
 
 
 async def main(dsn: str, name: str, limit: int, scope: str, mode: str, *rest: str) -> None:
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=6)
+    # Through a pooler no statement may be prepared (asyncpg's cache is off).
+    pool: Any = await asyncpg.create_pool(dsn, min_size=1, max_size=6, statement_cache_size=0)
+    if scope == "pooler":
+        import psycopg_pool
+
+        await pool.close()
+        pool = psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=6, open=False,
+                                                kwargs={"prepare_threshold": None})
+        await pool.open()
     holder = pgcoord.LockHolder(dsn, max_wait_connections=32) if scope == "session" else None
     if holder is not None:
         await holder.open()
 
-    def slot() -> Any:
+    @contextlib.asynccontextmanager
+    async def slot() -> Any:
         if holder is not None:
-            return holder.semaphore(name, limit=limit, timeout=60)
-        return pgcoord.semaphore(pool, name, limit=limit, timeout=60)
+            async with holder.semaphore(name, limit=limit, timeout=60):
+                yield
+        elif scope == "joined":
+            async with pool.acquire() as conn, conn.transaction(), \
+                    pgcoord.semaphore(conn, name, limit=limit, timeout=60):
+                yield
+        else:
+            async with pgcoord.semaphore(pool, name, limit=limit, timeout=60):
+                yield
 
     if mode == "hold":
         async with slot():
@@ -38,7 +57,7 @@ async def main(dsn: str, name: str, limit: int, scope: str, mode: str, *rest: st
             await asyncio.Event().wait()
         return
     table, tasks = rest[0], int(rest[1])
-    counter = await asyncpg.connect(dsn)
+    counter = await asyncpg.connect(dsn, statement_cache_size=0)
     counting = asyncio.Lock()  # one statement at a time on the counter connection
 
     async def task() -> None:
