@@ -178,10 +178,15 @@ class StandbyPair:
         self.promote()
 
     def stop(self) -> None:
-        self.standby.stop()
-        self.primary.stop()
-        if self.proxy is not None:
-            self.proxy.close()
+        # Each one is stopped even if stopping another raised.
+        try:
+            self.standby.stop()
+        finally:
+            try:
+                self.primary.stop()
+            finally:
+                if self.proxy is not None:
+                    self.proxy.close()
 
     def __enter__(self) -> StandbyPair:
         try:
@@ -221,6 +226,14 @@ class Fleet:
                    " replica text, fence bigint, at timestamptz default clock_timestamp())")
         self.query("create table if not exists ha_starts (id bigserial primary key,"
                    " slot_at timestamptz, runner text)")
+        try:
+            self._spawn()
+        except BaseException:
+            self.stop()  # the replicas already started
+            raise
+
+    def _spawn(self) -> None:
+        pair, dbname, ttl = self.pair, self.dbname, self.ttl
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         for i, driver in enumerate(DRIVERS):
             label = f"r{i}-{driver}"

@@ -52,8 +52,9 @@ class Run:
 def run() -> Iterator[Run]:
     with StandbyPair(synchronous=True) as pair:
         pgcoord.migrations.upgrade(pair.url())
-        fleet = Fleet(pair, "postgres", ttl=TTL)
+        fleet: Fleet | None = None
         try:
+            fleet = Fleet(pair, "postgres", ttl=TTL)
             fleet.wait_for("lead", fleet.name("elector"))
             fleet.wait_for("lead", fleet.name("member-elector"))
             fleet.wait_for("lease", fleet.name("lease"))
@@ -87,7 +88,8 @@ def run() -> Iterator[Run]:
             yield Run(fleet, killed_at, promoted_at, fleet.events(), before, after, leases,
                       advisory, slots, settled, starts, doctor)
         finally:
-            fleet.stop()
+            if fleet is not None:
+                fleet.stop()
 
 
 def _lock_names(fleet: Fleet) -> list[str]:
@@ -150,6 +152,12 @@ def test_no_stale_fenced_write_is_accepted_before_or_after_the_switch(run: Run) 
 
 def test_no_job_slot_started_twice_and_every_slot_is_settled(run: Run) -> None:
     assert all(n == 1 for _, n in run.starts), "a slot was started twice"
+    # Cross-check with the slots' own rows: every succeeded slot ran, exactly once
+    # (the check above passes on an empty list).
+    started = dict(run.starts)
+    succeeded = [at for at, state in run.slots if state == "succeeded"]
+    assert succeeded, run.slots
+    assert [at for at in succeeded if started.get(at) != 1] == [], "a succeeded slot's start is missing"
     times = [at for at, _ in run.slots]
     assert times[0] < run.killed_at < times[-1]
     assert times == [times[0] + i for i in range(len(times))], "a slot of the window has no row"

@@ -3,9 +3,10 @@
 In test_ha.py every client hears of the failover at once: the dying server closes
 its sockets. When the host itself is lost (power, network), the leader's session
 is half-open: nothing arrives, nothing is refused. Followers that reconnect find
-the lease row on the new primary naming a session that server never had, and take
-over at once. The old leader must then stop believing by its own clock: within its
-trust window, less than one ttl after its last renewal. Here the leader reaches the
+the lease row on the new primary naming a session that server never had (before
+migration 0007 they took over at once). The old leader must stop believing by its
+own clock, within its trust window, less than one ttl after its last renewal, and
+only then may the lease, expired, be taken over; its fenced writes are refused. Here the leader reaches the
 primary through a proxy that goes silent just before the primary is killed.
 """
 
@@ -14,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+
+import psycopg
+import pytest
 
 import pgcoord
 import pgcoord.migrations
@@ -66,6 +70,7 @@ async def test_a_leader_cut_off_from_a_vanished_primary_stops_believing_within_i
             await asyncio.to_thread(pair.fail_over)
             await until(lambda: first("stop", who="old") is not None
                         and first("lead", fence_above=1) is not None)
+            await _old_fence_is_rejected(cut_off, first("stop", who="old")[1])  # type: ignore[index]
         finally:
             proxy.close()
             for elector in (new, old):
@@ -82,3 +87,17 @@ async def test_a_leader_cut_off_from_a_vanished_primary_stops_believing_within_i
     # last renewal, the lease expires one ttl after it, then a reconnect and a retry.
     assert stopped - killed < TTL + 1.0, f"the old leader believed {stopped - killed:.2f}s after"
     assert took_over - killed < TTL + 3.0
+
+
+async def _old_fence_is_rejected(cut_off: str, old_fence: int) -> None:
+    """The cut-off leader, reconnecting through its own DSN (its first host still
+    frozen), reaches the new primary, where its fenced write is refused."""
+    async with asyncio.timeout(15):
+        conn = await psycopg.AsyncConnection.connect(cut_off, autocommit=True, connect_timeout=3)
+    try:
+        with pytest.raises(pgcoord.StaleFence):
+            async with conn.transaction():
+                await pgcoord.check_fence(conn, "vanished", old_fence)
+                await conn.execute("select 1")  # the write it would have made
+    finally:
+        await conn.close()
