@@ -147,7 +147,10 @@ def check_connections(max_conn: int, reserved: int, in_use: int, expected: int) 
 
 
 def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknown: int,
-                      sync_commit: str, sync_names: str = "") -> Check:
+                      sync_commit: str, sync_names: str = "", others: str = "",
+                      quorum: int = 0) -> Check:
+    """``others``: the standbys commits do not wait for, by name; ``quorum``: how many
+    are in a quorum (ANY n), of which a commit waits for only some."""
     if in_recovery:
         return Check("replication", FAIL, "connected to a standby (read-only): pgcoord cannot write here",
                      "list every server in the DSN with target_session_attrs=read-write")
@@ -171,6 +174,17 @@ def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknow
         return Check("replication", WARN, f"synchronous standby present, but synchronous_commit is "
                      f"{sync_commit}: commits do not wait for it",
                      "set synchronous_commit = on (or remote_apply) for pgcoord's role")
+    promote_fix = ("promote only a standby that has every commit: a synchronous one, or the one "
+                   "that received the most WAL (pg_last_wal_receive_lsn())")
+    if others:
+        return Check("replication", WARN,
+                     f"{standbys} standbys, {synchronous} synchronous; commits do not wait for "
+                     f"{others}: promoting one of those can take a lease or a fence back", promote_fix)
+    if quorum:
+        return Check("replication", WARN,
+                     f"{standbys} standbys in a quorum (synchronous_standby_names {sync_names!r}): "
+                     "a commit waits for only some of them, and promoting another can take a "
+                     "lease or a fence back", promote_fix)
     return Check("replication", PASS, f"{standbys} standbys, {synchronous} synchronous")
 
 
@@ -228,9 +242,10 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
     capacity, advisory, max_conn, reserved, clients = await conn.fetchrow(_q("doctor_capacity"))  # type: ignore[misc]
     checks.append(check_locks(int(capacity), int(advisory), locks))
     checks.append(check_connections(int(max_conn), int(reserved), int(clients), connections))
-    standbys, synchronous, unknown, sync_names = await conn.fetchrow(_q("doctor_standbys"))  # type: ignore[misc]
+    standbys, synchronous, unknown, sync_names, others, quorum = await conn.fetchrow(  # type: ignore[misc]
+        _q("doctor_standbys"))
     checks.append(check_replication(bool(in_recovery), int(standbys), int(synchronous), int(unknown),
-                                    str(sync_commit), str(sync_names or "")))
+                                    str(sync_commit), str(sync_names or ""), str(others), int(quorum)))
     checks.append(check_synchronous_commit(str(sync_commit)))
     checks.append(check_clock(skew))
     conn.backend_pid = int(pid)

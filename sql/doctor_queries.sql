@@ -42,13 +42,22 @@ SELECT pg_catalog.current_setting('max_locks_per_transaction')::int
 -- name: doctor_standbys
 -- The standbys streaming from this server: all, those whose commits wait for them
 -- (sync_state sync or quorum), and those whose state this role may not see (a role
--- without pg_monitor sees the rows, with NULL in their columns), and the standbys
--- commits are told to wait for (synchronous_standby_names).
+-- without pg_monitor sees the rows, with NULL in their columns), the standbys
+-- commits are told to wait for (synchronous_standby_names), those commits do not
+-- wait for (async, potential: promoting one loses commits) and those in a quorum.
+-- Logical walsenders (subscribers, CDC) are listed too, as async; they are no
+-- standby anyone can promote, so they are left out by their slot's active pid.
 SELECT count(*),
-       count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')),
-       count(*) FILTER (WHERE sync_state IS NULL),
-       pg_catalog.current_setting('synchronous_standby_names')
-FROM pg_catalog.pg_stat_replication
+       count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum')),
+       count(*) FILTER (WHERE r.sync_state IS NULL),
+       pg_catalog.current_setting('synchronous_standby_names'),
+       coalesce(pg_catalog.string_agg(coalesce(nullif(r.application_name, ''), 'pid ' || r.pid::text),
+                                      ', ' ORDER BY r.application_name)
+                FILTER (WHERE r.sync_state IN ('async', 'potential')), ''),
+       count(*) FILTER (WHERE r.sync_state = 'quorum')
+FROM pg_catalog.pg_stat_replication AS r
+WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_catalog.pg_replication_slots AS s
+                    WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL)
 
 -- name: doctor_missing_privileges
 -- Whether role $1 exists and is a superuser (NULL: no such role), and which of the

@@ -227,3 +227,39 @@ def test_a_sqlalchemy_multi_host_url_reaches_the_server(dsn: str, driver: str,
     _, checks = doctor(capsys, "--dsn", url)
     assert checks["connect"].status == "pass", checks["connect"]
     assert checks["schema"].status == "pass"
+
+
+def _start_walsender(dsn: str, kind: str, command: bytes, name: str) -> psycopg.Connection[tuple[object, ...]]:
+    """A real walsender streaming (a replication connection that sent START_REPLICATION):
+    what a logical subscriber or a WAL archiver such as pg_receivewal looks like."""
+    conn = psycopg.connect(f"{dsn}?replication={kind}&application_name={name}", autocommit=True)
+    conn.pgconn.send_query(command)
+    return conn
+
+
+def _wait_walsenders(dsn: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while conn.execute("select count(*) from pg_stat_replication").fetchone() != (count,):
+            assert time.monotonic() < deadline, "the walsender did not start"
+            time.sleep(0.05)
+
+
+def test_a_logical_subscriber_is_no_standby(capsys: pytest.CaptureFixture[str]) -> None:
+    """Logical walsenders are in pg_stat_replication too, as asynchronous: no standby
+    can be promoted from them, so doctor says nothing about them."""
+    with EmbeddedServer({"wal_level": "logical", "max_wal_senders": "4", "max_replication_slots": "4",
+                         "max_connections": "12"}) as server:
+        with psycopg.connect(server.dsn, autocommit=True) as admin:
+            admin.execute("create publication doctor_pub for all tables")
+            admin.execute("select pg_create_logical_replication_slot('doctor_slot', 'pgoutput')")
+        subscriber = _start_walsender(server.dsn, "database", b"START_REPLICATION SLOT doctor_slot LOGICAL"
+                                      b" 0/0 (proto_version '1', publication_names 'doctor_pub')",
+                                      "a_subscriber")
+        try:
+            _wait_walsenders(server.dsn, 1)
+            _, checks = doctor(capsys, "--dsn", server.dsn)
+        finally:
+            subscriber.close()
+    assert checks["replication"].status == "pass", checks["replication"]
+    assert checks["replication"].detail == "no streaming standbys"

@@ -11,6 +11,7 @@ This is why docs/operations.md asks for a synchronous standby and why
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -40,6 +41,84 @@ def test_doctor_warns_about_an_asynchronous_standby_and_fails_on_a_standby(pair:
     on_standby = {c.name: c for c in run_checks(pair.standby.dsn)}
     assert on_standby["replication"].status == "fail"
     assert "target_session_attrs=read-write" in on_standby["replication"].fix
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_live_standby_listed_first_is_passed_over(pair: StandbyPair, driver: str) -> None:
+    """target_session_attrs=read-write with the standby, up and answering, listed first:
+    an elector leads and a LockHolder locks on the primary (asyncpg is given one host
+    at a time by pgcoord, so the attribute check must still move it on)."""
+    standby_first = (f"postgresql://postgres@127.0.0.1:{pair.standby.port},"
+                     f"127.0.0.1:{pair.primary.port}/postgres?target_session_attrs=read-write")
+    name = f"standby-first:{driver}"
+    led = asyncio.Event()
+
+    async def lead(fence: int) -> None:
+        led.set()
+        await asyncio.Event().wait()
+
+    elector = pgcoord.Elector(standby_first, name, ttl=2.0, driver=driver)
+    task = asyncio.create_task(elector.run(lead))
+    try:
+        async with asyncio.timeout(10):
+            await led.wait()
+            async with pgcoord.LockHolder(standby_first, keepalive=2.0, driver=driver) as holder, \
+                    holder.lock(name):
+                with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+                    [(lease, lock)] = conn.execute(
+                        "select exists (select from pgcoord.leases where name = %s"
+                        "               and expires_at > clock_timestamp()),"
+                        " exists (select from pg_locks where locktype = 'advisory' and granted"
+                        "         and ((classid::bigint << 32) | objid::bigint) = pgcoord.lock_key(%s))",
+                        (name, name)).fetchall()
+        assert (lease, lock) == (True, True)  # the elector's lease and the lock, on the primary
+    finally:
+        await elector.stop()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_doctor_names_standbys_whose_promotion_loses_commits(pair: StandbyPair) -> None:
+    """One synchronous standby and another, asynchronous, walsender (a WAL archiver
+    here): promoting the other takes fences back, so doctor warns and names it. With
+    quorum commit (ANY n) a commit waits for only some of the standbys: a warning too."""
+    def configure(names: str) -> None:
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            conn.execute(f"alter system set synchronous_standby_names = '{names}'")
+            conn.execute("alter system set wal_sender_timeout = '60s'")  # the archiver never replies
+            conn.execute("select pg_reload_conf()")
+
+    def states(want: dict[str, str]) -> None:
+        deadline = time.monotonic() + 10
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            while dict(conn.execute("select application_name, sync_state from pg_stat_replication")
+                       .fetchall()) != want:
+                assert time.monotonic() < deadline, "the standbys' states did not change"
+                time.sleep(0.05)
+
+    configure("standby1")
+    with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+        lsn = str(conn.execute("select pg_current_wal_lsn()").fetchone()[0])  # type: ignore[index]
+    archiver = psycopg.connect(f"{pair.primary.dsn}?replication=true&application_name=archiver",
+                               autocommit=True)
+    try:
+        archiver.pgconn.send_query(f"START_REPLICATION PHYSICAL {lsn}".encode())
+        states({"standby1": "sync", "archiver": "async"})
+        checks = {c.name: c for c in run_checks(pair.libpq_dsn())}
+        assert checks["replication"].status == "warn", checks["replication"]
+        assert "archiver" in checks["replication"].detail and "standby1" not in checks["replication"].detail
+        archiver.close()
+        configure("ANY 1 (standby1)")
+        states({"standby1": "quorum"})
+        checks = {c.name: c for c in run_checks(pair.libpq_dsn())}
+        assert checks["replication"].status == "warn", checks["replication"]
+        assert "quorum" in checks["replication"].detail
+    finally:
+        archiver.close()
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            conn.execute("alter system reset synchronous_standby_names")
+            conn.execute("alter system reset wal_sender_timeout")
+            conn.execute("select pg_reload_conf()")
+        states({"standby1": "async"})
 
 
 async def _fenced_write(pool: psycopg_pool.AsyncConnectionPool, name: str, fence: int) -> None:
