@@ -229,7 +229,8 @@ def test_a_sqlalchemy_multi_host_url_reaches_the_server(dsn: str, driver: str,
     assert checks["schema"].status == "pass"
 
 
-def _start_walsender(dsn: str, kind: str, command: bytes, name: str) -> psycopg.Connection[tuple[object, ...]]:
+def _start_walsender(dsn: str, kind: str, command: bytes,
+                     name: str) -> psycopg.Connection[tuple[object, ...]]:
     """A real walsender streaming (a replication connection that sent START_REPLICATION):
     what a logical subscriber or a WAL archiver such as pg_receivewal looks like."""
     conn = psycopg.connect(f"{dsn}?replication={kind}&application_name={name}", autocommit=True)

@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
 import uuid
 
 import psycopg
-import pytest
 
 import pgcoord
 import pgcoord.migrations
+from pgcoord._embedded import EmbeddedServer
 from pgcoord._queries import query
 from pgcoord._resources import read_sql
 
 from .conftest import Server, sql, unique
 
 
-async def _until(predicate: object, timeout: float) -> None:
+async def _until(predicate: object, within: float) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + within
     while not predicate():  # type: ignore[operator]
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.02)
@@ -178,3 +181,44 @@ def test_0007_goes_down_and_up_again(fresh_db: str) -> None:
     pgcoord.migrations.upgrade(fresh_db)
     assert sql(fresh_db, "select count(*) from information_schema.columns"
                          " where table_schema = 'pgcoord' and column_name = 'holder_server'") == [(1,)]
+
+
+def _reconnect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return psycopg.connect(dsn, autocommit=True, connect_timeout=2)
+        except psycopg.OperationalError:
+            assert time.monotonic() < deadline, "the server did not come back"
+            time.sleep(0.05)
+
+
+def test_a_restart_waits_out_the_ttl_a_crash_restart_does_not() -> None:
+    """A stopped and started server is another incarnation: a session-bound lease
+    taken before waits out its ttl. A backend killed (the postmaster reinitialising
+    in place) keeps the incarnation: the session is gone and the lease is free at once."""
+    with EmbeddedServer({"max_connections": "12"}) as server:
+        pgcoord.migrations.upgrade(server.dsn)
+        holder = _doorbell_session(server.dsn, "restarted")
+        holder.execute("select pgcoord.lease_acquire('restarted', 'old', 3000, pg_backend_pid())")
+        before = sql(server.dsn, "select pgcoord.server_incarnation()")[0][0]
+        server.restart(immediate=False)
+        holder.close()
+        _reconnect(server.dsn).close()
+        assert sql(server.dsn, "select pgcoord.server_incarnation()")[0][0] != before
+        assert sql(server.dsn, "select * from pgcoord.lease_acquire('restarted', 'new', 3000, null)") == []
+        deadline = time.monotonic() + 10
+        while not sql(server.dsn, "select * from pgcoord.lease_acquire('restarted', 'new', 3000, null)"):
+            assert time.monotonic() < deadline, "never free after its ttl"
+            time.sleep(0.1)
+
+        holder = _doorbell_session(server.dsn, "crashed")
+        holder.execute("select pgcoord.lease_acquire('crashed', 'old', 60000, pg_backend_pid())")
+        before = sql(server.dsn, "select pgcoord.server_incarnation()")[0][0]
+        os.kill(holder.info.backend_pid, signal.SIGKILL)
+        holder.close()
+        time.sleep(0.5)  # the postmaster notices and reinitialises
+        with _reconnect(server.dsn) as conn:
+            assert conn.execute("select pgcoord.server_incarnation()").fetchone() == (before,)
+            assert conn.execute("select fence from pgcoord.lease_acquire('crashed', 'new', 60000,"
+                                " null)").fetchall() == [(2,)]
