@@ -637,8 +637,9 @@ class Scheduler(SlotRunner):
             [s.name for s in specs], [int(s.claim_ttl * 1000) for s in specs], runner))
         if row is None or row[0] is None:
             return
+        by_name = {s.name: s for s in specs}  # not self._specs: a reload may replace it
         for job, at, attempt in zip(*row, strict=True):
-            spec = self._specs[job]
+            spec = by_name[job]
             self._start(spec, Slot(job, as_utc(at), int(attempt), manual=True, args=spec.args),
                         sent, runner)
 
@@ -679,8 +680,9 @@ class Scheduler(SlotRunner):
             [s.on_crash == "retry" for s in specs], [s.max_attempts for s in specs], runner))
         if row is None or row[0] is None:
             return
+        by_name = {s.name: s for s in specs}  # not self._specs: a reload may replace it
         for job, at, attempt in zip(*row, strict=True):
-            spec, at = self._specs[job], as_utc(at)
+            spec, at = by_name[job], as_utc(at)
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
             self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
 
