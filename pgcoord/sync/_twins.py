@@ -168,7 +168,7 @@ class Lease(_Pooled):
 
     def __enter__(self) -> int:
         self._held = Held(self._portal, lambda: self._async)
-        return self._held.__enter__()
+        return int(self._held.__enter__())
 
     def __exit__(self, *exc: Any) -> None:
         held, self._held = self._held, None
