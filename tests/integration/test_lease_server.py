@@ -197,7 +197,8 @@ def test_a_restart_waits_out_the_ttl_a_crash_restart_does_not() -> None:
     """A stopped and started server is another incarnation: a session-bound lease
     taken before waits out its ttl. A backend killed (the postmaster reinitialising
     in place) keeps the incarnation: the session is gone and the lease is free at once."""
-    with EmbeddedServer({"max_connections": "12"}) as server:
+    # synchronous_commit on: the crash must not lose the committed lease row
+    with EmbeddedServer({"max_connections": "12", "synchronous_commit": "on"}) as server:
         pgcoord.migrations.upgrade(server.dsn)
         holder = _doorbell_session(server.dsn, "restarted")
         holder.execute("select pgcoord.lease_acquire('restarted', 'old', 3000, pg_backend_pid())")
