@@ -125,14 +125,13 @@ WHERE l.locktype = 'advisory'
   AND NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
 UNION ALL
 -- A granted lane is a holder; the waiting room (lane -1) holds the waiters,
--- shown as not granted, since when their session last changed state.
+-- shown as not granted, with `since` NULL (see 0005).
 SELECT
     'semaphore'::text, sem.name, sem.key::bigint,
     coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text), l.pid,
     a.application_name, a.client_addr,
     (l.objid <> 4294967295::oid),
-    CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start)
-         ELSE a.state_change END,
+    CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start) END,
     NULL::timestamptz, NULL::bigint, NULL::integer[], false, (a.pid IS NOT NULL), ms.name,
     CASE WHEN l.objid <> 4294967295::oid THEN l.objid::bigint::integer END
 FROM pg_catalog.pg_locks AS l

@@ -311,6 +311,11 @@ async def test_every_async_source_waits_and_goes_back_clean(dsn: str, kind: str)
         # the waiter shows as one, not granted
         await _wait_until(lambda: [g for _, _, g in _lanes(dsn, name)] == [True, False]
                           or [g for _, _, g in _lanes(dsn, name)] == [False, True])
+        # with no known start of its wait (each retry is a new statement): NULL,
+        # never a time that keeps moving
+        assert sql(dsn, "select granted, since is null from pgcoord.holders"
+                        " where kind = 'semaphore' and name = %s order by granted",
+                   name) == [(False, True), (True, False)]
         release.set()
         await asyncio.wait_for(asyncio.gather(held, waiter), 10)
         assert got
