@@ -188,12 +188,14 @@ def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknow
     return Check("replication", PASS, f"{standbys} standbys, {synchronous} synchronous")
 
 
-def check_synchronous_commit(value: str) -> Check:
+def check_synchronous_commit(value: str, for_role: str | None = None) -> Check:
+    """``for_role``: the role whose own setting ``value`` is (ALTER ROLE ... SET)."""
+    said = value if for_role is None else f"{value} (set for role {for_role})"
     if value == "off":
         return Check("synchronous_commit", WARN,
-                     "off: a crash can lose acknowledged lease takeovers and fences",
-                     "ALTER ROLE <service role> SET synchronous_commit = on")
-    return Check("synchronous_commit", PASS, value)
+                     f"{said}: a crash can lose acknowledged lease takeovers and fences",
+                     f"ALTER ROLE {for_role or '<service role>'} SET synchronous_commit = on")
+    return Check("synchronous_commit", PASS, said)
 
 
 def check_clock(skew: float) -> Check:
@@ -234,8 +236,13 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
     installed, readable = await conn.fetchrow(_q("doctor_schema_installed"))  # type: ignore[misc]
     schema_version = await conn.fetchval(_q("doctor_schema_version")) if readable else None
     checks.append(check_schema(bool(installed), bool(readable), schema_version, _head()))
+    role = role or str(user)
+    # The role's own setting, if it has one: the session doctor runs in may be another
+    # role's (an operator checking the service role with --role).
+    role_sync = await conn.fetchval(_q("doctor_role_synchronous_commit"), role)
+    sync_role = None if role_sync is None else role
+    sync_commit = sync_commit if role_sync is None else role_sync
     if installed:
-        role = role or str(user)
         superuser, missing = await conn.fetchrow(_q("doctor_missing_privileges"), role,  # type: ignore[misc]
                                                  *service_grants())
         checks.append(check_privileges(role, superuser, missing))
@@ -246,7 +253,7 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
         _q("doctor_standbys"))
     checks.append(check_replication(bool(in_recovery), int(standbys), int(synchronous), int(unknown),
                                     str(sync_commit), str(sync_names or ""), str(others), int(quorum)))
-    checks.append(check_synchronous_commit(str(sync_commit)))
+    checks.append(check_synchronous_commit(str(sync_commit), sync_role))
     checks.append(check_clock(skew))
     conn.backend_pid = int(pid)
     pooled = conn.announced_pid() != conn.backend_pid

@@ -59,6 +59,19 @@ FROM pg_catalog.pg_stat_replication AS r
 WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_catalog.pg_replication_slots AS s
                     WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL)
 
+-- name: doctor_role_synchronous_commit
+-- Role $1's own synchronous_commit (ALTER ROLE ... SET, for this database first, then
+-- for every database), or NULL when it has none and gets what other sessions get.
+SELECT pg_catalog.substr(c.setting, pg_catalog.length('synchronous_commit=') + 1)
+FROM pg_catalog.pg_db_role_setting AS s
+JOIN pg_catalog.pg_roles AS r ON r.oid = s.setrole AND r.rolname = $1
+CROSS JOIN LATERAL pg_catalog.unnest(s.setconfig) AS c(setting)
+WHERE pg_catalog.starts_with(c.setting, 'synchronous_commit=')
+  AND s.setdatabase IN (0, (SELECT d.oid FROM pg_catalog.pg_database AS d
+                            WHERE d.datname = pg_catalog.current_database()))
+ORDER BY s.setdatabase DESC
+LIMIT 1
+
 -- name: doctor_missing_privileges
 -- Whether role $1 exists and is a superuser (NULL: no such role), and which of the
 -- grants ($2 kinds, $3 objects, $4 privileges: sql/roles.sql's service grants, read by

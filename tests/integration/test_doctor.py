@@ -264,3 +264,18 @@ def test_a_logical_subscriber_is_no_standby(capsys: pytest.CaptureFixture[str]) 
             subscriber.close()
     assert checks["replication"].status == "pass", checks["replication"]
     assert checks["replication"].detail == "no streaming standbys"
+
+
+def test_synchronous_commit_is_read_for_the_role_checked(
+    fresh_db: str, bare_role: tuple[str, str], capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ALTER ROLE ... SET synchronous_commit = off on the service role: doctor run by an
+    operator with --role must see it, not the operator's own session's setting."""
+    role, _ = bare_role
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"alter role {role} set synchronous_commit = off")
+    _, checks = doctor(capsys, "--dsn", f"{fresh_db}?{SYNC_ON}", "--role", role)
+    assert checks["synchronous_commit"].status == "warn", checks["synchronous_commit"]
+    assert role in checks["synchronous_commit"].detail
+    _, checks = doctor(capsys, "--dsn", f"{fresh_db}?{SYNC_ON}")  # the operator's own: on
+    assert checks["synchronous_commit"].status == "pass"
