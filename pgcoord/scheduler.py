@@ -552,7 +552,12 @@ class Scheduler(SlotRunner):
         await asyncio.gather(self._decide(plain, now),
                              *(self._decide_jittered(s) for s in jittered))
         if owed:
-            await self._take_owed([self._specs[n] for n in owed if n in self._specs])
+            # A failure here (a missing grant, a lost connection) must not cost the
+            # tick its housekeeping: recovery, retention and alerts still run.
+            try:
+                await self._take_owed([self._specs[n] for n in owed if n in self._specs])
+            except Exception as exc:
+                log.warning("scheduler: taking owed runs failed: %r", exc)
         await self._housekeeping()
         wake: float = now.timestamp() + self._max_sleep
         for spec in self._specs.values():

@@ -23,7 +23,8 @@ GRANT SELECT, INSERT, UPDATE ON pgcoord.semaphores TO pgcoord_service;
 -- Schedules at runtime: add, change, pause and remove them; the triggers bump the
 -- change counter; runs owed (trigger, resume) are taken by the replica that runs them.
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedules TO pgcoord_service;
-GRANT SELECT, INSERT, DELETE ON pgcoord.schedule_owed TO pgcoord_service;
+-- schedule_take_owed deletes the rows it takes FOR UPDATE SKIP LOCKED, which needs UPDATE.
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_owed TO pgcoord_service;
 GRANT SELECT, UPDATE ON pgcoord.schedule_epoch TO pgcoord_service;
 
 -- Operators: read who holds what, nothing else. pg_read_all_stats lets them see

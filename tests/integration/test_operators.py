@@ -129,7 +129,7 @@ def test_least_privilege_roles(pg_server: Server, fresh_db: str) -> None:
                       .replace("pgcoord_operator", operator))
     base = fresh_db.replace("postgres@", "{}@")
     try:
-        asyncio.run(_as_service(base.format(service)))
+        asyncio.run(_as_service(base.format(service), fresh_db))
         with psycopg.connect(base.format(operator)) as ops:
             ops.execute("select * from pgcoord.holders").fetchall()
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -149,7 +149,7 @@ def test_least_privilege_roles(pg_server: Server, fresh_db: str) -> None:
                           f" drop role {service}; drop role {operator}")
 
 
-async def _as_service(dsn: str) -> None:
+async def _as_service(dsn: str, admin_dsn: str) -> None:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
     try:
         async with pgcoord.exclusive(pool, "roles:lock") as conn:
@@ -167,7 +167,7 @@ async def _as_service(dsn: str) -> None:
         await sched.trigger("roles:job")
         await sched.prune("roles:job")
         assert ran
-        await _schedules_as_service(pool)
+        await _schedules_as_service(pool, admin_dsn)
         async with pgcoord.LockHolder(dsn) as holder, holder.lock("roles:session"):
             pass
         # Semaphores in both scopes, named in the registry (which needs the grant).
@@ -200,7 +200,7 @@ async def _as_service(dsn: str) -> None:
         await pool.close()
 
 
-async def _schedules_as_service(pool: asyncpg.Pool) -> None:
+async def _schedules_as_service(pool: asyncpg.Pool, admin_dsn: str) -> None:
     """Schedules at runtime (0006): add, change, run a tick, pause, resume, remove."""
     sched = pgcoord.Scheduler(pool)
     ran = []
@@ -216,6 +216,39 @@ async def _schedules_as_service(pool: asyncpg.Pool) -> None:
     await sched.trigger("roles:schedule")
     assert ran and ran[0].args == {"x": 1}
     await sched.tick()
+    # A run owed from SQL (pgcoord jobs trigger) is taken by the next tick: deleting
+    # the owed row FOR UPDATE SKIP LOCKED needs UPDATE on schedule_owed.
+    async with pool.acquire() as conn:
+        owed_at = await conn.fetchval("select pgcoord.schedule_trigger('roles:schedule')")
+    await sched.tick()
+    for _ in range(200):
+        if any(s.manual and s.at == owed_at for s in ran):
+            break
+        await asyncio.sleep(0.05)
+    assert any(s.manual and s.at == owed_at for s in ran), "the owed run did not start"
+    async with pool.acquire() as conn:
+        assert not await conn.fetchval("select count(*) from pgcoord.schedule_owed")
+    # Without that grant, taking an owed run fails, but the tick's housekeeping
+    # still runs: a lost claim (expired) is recorded abandoned, and tick() returns.
+    user = await pool.fetchval("select current_user")
+    async with await psycopg.AsyncConnection.connect(admin_dsn, autocommit=True) as admin:
+        await admin.execute(f"revoke update on pgcoord.schedule_owed from {user}")
+        try:
+            async with pool.acquire() as conn:
+                await conn.execute(
+                    "insert into pgcoord.job_slots (job, slot_at, state, attempt, runner,"
+                    " started_at, claim_expires_at) values ('roles:schedule',"
+                    " '2001-01-01', 'running', 1, 'gone', now(), now() - interval '1 s')")
+                await conn.fetchval("select pgcoord.schedule_trigger('roles:schedule')")
+            sched._last_recover = 0.0
+            await sched.tick()
+            async with pool.acquire() as conn:
+                assert await conn.fetchval(
+                    "select state from pgcoord.job_slots where job = 'roles:schedule'"
+                    " and slot_at = '2001-01-01'") == "abandoned"
+                await conn.execute("delete from pgcoord.schedule_owed")
+        finally:
+            await admin.execute(f"grant update on pgcoord.schedule_owed to {user}")
     assert [i.name for i in await sched.schedules()] == ["roles:schedule"]
     await sched.remove("roles:schedule")
 
