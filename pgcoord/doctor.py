@@ -28,6 +28,10 @@ EXIT_STATUS = {PASS: 0, WARN: 1, FAIL: 2}
 
 MIN_SERVER, NEWEST_TESTED = 140000, 18  # PostgreSQL 14 .. 18 (DESIGN: Scope)
 SKEW_WARN, SKEW_FAIL = 1.0, 30.0  # seconds between this host's clock and the server's
+# Seconds a standby's clock may be ahead of the primary's: after a failover it expires
+# leases that much early. A leader's trust window ends 10% of its ttl (at most 1 s)
+# before expiry, so past 1 s two leaders can overlap whatever the ttl.
+STANDBY_AHEAD_WARN, STANDBY_AHEAD_FAIL = 0.1, 1.0
 LOCKS_WARN = 0.5  # of the lock table: advisory locks share it with every other lock
 CONNECTIONS_WARN = 0.8  # of the connection slots a non-superuser may take
 
@@ -188,6 +192,26 @@ def check_replication(in_recovery: bool, standbys: int, synchronous: int, unknow
     return Check("replication", PASS, f"{standbys} standbys, {synchronous} synchronous")
 
 
+def check_standby_clock(standby: str | None, ahead: float | None) -> Check | None:
+    """``ahead``: seconds the clock of ``standby`` (the one furthest ahead) is ahead
+    of the primary's; None when no standby's reply time is seen (no check)."""
+    if standby is None or ahead is None:
+        return None
+    if ahead <= 0:
+        return Check("standby_clock", PASS, f"no standby's clock is ahead of this server's "
+                                             f"(latest reply from {standby})")
+    detail = (f"the clock of standby {standby} is at least {ahead:.3f} s ahead of this server's: "
+              "promoted, it would let leases be taken over that much before their holders "
+              "stop believing")
+    fix = "run NTP (chrony, systemd-timesyncd) on every server, synchronised to the same sources"
+    if ahead >= STANDBY_AHEAD_FAIL:
+        return Check("standby_clock", FAIL, detail, fix)
+    if ahead >= STANDBY_AHEAD_WARN:
+        return Check("standby_clock", WARN, detail, fix)
+    return Check("standby_clock", PASS, f"standby {standby} is {ahead:.3f} s ahead (within "
+                                        f"{STANDBY_AHEAD_WARN} s)")
+
+
 def check_synchronous_commit(value: str, for_role: str | None = None) -> Check:
     """``for_role``: the role whose own setting ``value`` is (ALTER ROLE ... SET)."""
     said = value if for_role is None else f"{value} (set for role {for_role})"
@@ -249,10 +273,13 @@ async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, conn
     capacity, advisory, max_conn, reserved, clients = await conn.fetchrow(_q("doctor_capacity"))  # type: ignore[misc]
     checks.append(check_locks(int(capacity), int(advisory), locks))
     checks.append(check_connections(int(max_conn), int(reserved), int(clients), connections))
-    standbys, synchronous, unknown, sync_names, others, quorum = await conn.fetchrow(  # type: ignore[misc]
+    standbys, synchronous, unknown, sync_names, others, quorum, latest, ahead = await conn.fetchrow(  # type: ignore[misc]
         _q("doctor_standbys"))
     checks.append(check_replication(bool(in_recovery), int(standbys), int(synchronous), int(unknown),
                                     str(sync_commit), str(sync_names or ""), str(others), int(quorum)))
+    standby_clock = check_standby_clock(latest, None if ahead is None else float(ahead))
+    if standby_clock is not None:
+        checks.append(standby_clock)
     checks.append(check_synchronous_commit(str(sync_commit), sync_role))
     checks.append(check_clock(skew))
     conn.backend_pid = int(pid)

@@ -47,6 +47,9 @@ SELECT pg_catalog.current_setting('max_locks_per_transaction')::int
 -- wait for (async, potential: promoting one loses commits) and those in a quorum.
 -- Logical walsenders (subscribers, CDC) are listed too, as async; they are no
 -- standby anyone can promote, so they are left out by their slot's active pid.
+-- Last, the standby whose clock is furthest ahead of this server's, and by how many
+-- seconds: its replies are stamped by its clock (reply_time), and arrive after they
+-- were sent, so a reply stamped later than now() comes from a clock ahead.
 SELECT count(*),
        count(*) FILTER (WHERE r.sync_state IN ('sync', 'quorum')),
        count(*) FILTER (WHERE r.sync_state IS NULL),
@@ -54,7 +57,10 @@ SELECT count(*),
        coalesce(pg_catalog.string_agg(coalesce(nullif(r.application_name, ''), 'pid ' || r.pid::text),
                                       ', ' ORDER BY r.application_name)
                 FILTER (WHERE r.sync_state IN ('async', 'potential')), ''),
-       count(*) FILTER (WHERE r.sync_state = 'quorum')
+       count(*) FILTER (WHERE r.sync_state = 'quorum'),
+       (pg_catalog.array_agg(coalesce(nullif(r.application_name, ''), 'pid ' || r.pid::text)
+                             ORDER BY r.reply_time DESC) FILTER (WHERE r.reply_time IS NOT NULL))[1],
+       extract(epoch FROM max(r.reply_time) - pg_catalog.clock_timestamp())::float8
 FROM pg_catalog.pg_stat_replication AS r
 WHERE r.pid NOT IN (SELECT s.active_pid FROM pg_catalog.pg_replication_slots AS s
                     WHERE s.slot_type = 'logical' AND s.active_pid IS NOT NULL)

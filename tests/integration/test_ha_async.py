@@ -11,6 +11,7 @@ This is why docs/operations.md asks for a synchronous standby and why
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Iterator
 
@@ -119,6 +120,45 @@ def test_doctor_names_standbys_whose_promotion_loses_commits(pair: StandbyPair) 
             conn.execute("alter system reset wal_sender_timeout")
             conn.execute("select pg_reload_conf()")
         states({"standby1": "async"})
+
+
+def test_doctor_fails_a_standby_whose_clock_is_ahead(pair: StandbyPair) -> None:
+    """A lease's expiry is stamped by the primary's clock and, after a failover, read
+    by the standby's: a standby clock ahead expires leases early there, while their
+    old holders still believe. doctor reads each standby's clock from its replies
+    (pg_stat_replication.reply_time). Here a replication client whose replies are
+    stamped 3 s ahead stands for such a standby."""
+    checks = {c.name: c for c in run_checks(pair.libpq_dsn())}
+    assert checks["standby_clock"].status == "pass", checks["standby_clock"]
+    with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+        lsn = str(conn.execute("select pg_current_wal_lsn()").fetchone()[0])  # type: ignore[index]
+        conn.execute("alter system set wal_sender_timeout = '60s'")
+        conn.execute("select pg_reload_conf()")
+    ahead = psycopg.connect(f"{pair.primary.dsn}?replication=true&application_name=fast_clock",
+                            autocommit=True)
+    try:
+        ahead.pgconn.send_query(f"START_REPLICATION PHYSICAL {lsn}".encode())
+        assert ahead.pgconn.get_result().status == psycopg.pq.ExecStatus.COPY_BOTH  # type: ignore[union-attr]
+        hi, lo = (int(part, 16) for part in lsn.split("/"))
+        position = (hi << 32) | lo
+        micros = int((time.time() + 3.0 - 946684800) * 1_000_000)  # since 2000-01-01, 3 s ahead
+        status = b"r" + struct.pack("!QQQqB", position, position, position, micros, 0)
+        ahead.pgconn.put_copy_data(status)
+        ahead.pgconn.flush()
+        deadline = time.monotonic() + 10
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            while conn.execute("select reply_time is not null from pg_stat_replication"
+                               " where application_name = 'fast_clock'").fetchone() != (True,):
+                assert time.monotonic() < deadline, "no reply seen"
+                time.sleep(0.05)
+        checks = {c.name: c for c in run_checks(pair.libpq_dsn())}
+    finally:
+        ahead.close()
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            conn.execute("alter system reset wal_sender_timeout")
+            conn.execute("select pg_reload_conf()")
+    assert checks["standby_clock"].status == "fail", checks["standby_clock"]
+    assert "fast_clock" in checks["standby_clock"].detail and "NTP" in checks["standby_clock"].fix
 
 
 async def _fenced_write(pool: psycopg_pool.AsyncConnectionPool, name: str, fence: int) -> None:
