@@ -1108,3 +1108,33 @@ async def test_a_wait_failing_after_it_got_its_lane_forgets_the_lane(
             await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
     finally:
         await blocker.close()
+
+
+async def test_a_member_try_that_overruns_after_taking_a_lane_leaves_none(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a member's session a try that gets no answer within the bound (here it
+    took a lane, then sleeps) gives the holder LockLost; the member's session
+    lives on, so the lane it took is found and released there afterwards."""
+    name = unique("sem-try-overrun")
+    real_query = pgcoord._holdersemaphore.query
+
+    def slow_query(which: str) -> str:
+        if which != "semaphore_try_session":
+            return real_query(which)
+        return ("WITH t AS MATERIALIZED (SELECT pgcoord.semaphore_try($1, $2, true,"
+                " CAST($3 AS integer[])) AS l) SELECT t.l FROM t,"
+                " LATERAL pg_catalog.pg_sleep(CASE WHEN t.l IS NULL THEN 0 ELSE 1 END)")
+
+    async with pgcoord.Member(dsn, group=unique("g")) as member, \
+            pgcoord.LockHolder(member) as holder:
+        holder._cleanup_bound = 0.3
+        async with holder.semaphore(name, limit=1, wait=False):  # records the name
+            pass
+        monkeypatch.setattr(pgcoord._holdersemaphore, "query", slow_query)
+        with pytest.raises(pgcoord.LockLost):
+            async with holder.semaphore(name, limit=1, wait=False):
+                pass
+        monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 5)
+        assert member.has_session
