@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import schedules as _schedules
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
-from ._cron import Handler, Job, check_expr, check_zone, seconds, slots_between
+from ._cron import Handler, Job, check_expr, check_zone, next_slot, seconds, slots_between
 from ._drivers import check_source, run_statement
 from ._drivers.capacity import pool_capacity
 from ._finisher import Finisher
@@ -542,7 +542,8 @@ class Scheduler(SlotRunner):
         again. The due slots of all schedules are decided together, in batches."""
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
-        now, epoch, owed = as_utc(row[0]), int(row[1]), row[2] or []
+        now, epoch = as_utc(row[0]), int(row[1])
+        owed = [] if row[2] is None else list(zip(row[2], row[3], row[4], row[5], strict=True))
         self._clock_offset = now.timestamp() - time.time()
         if epoch != self._epoch:
             await self._reload()
@@ -555,7 +556,7 @@ class Scheduler(SlotRunner):
             # A failure here (a missing grant, a lost connection) must not cost the
             # tick its housekeeping: recovery, retention and alerts still run.
             try:
-                await self._take_owed([self._specs[n] for n in owed if n in self._specs])
+                await self._take_owed(owed)
             except Exception as exc:
                 log.warning("scheduler: taking owed runs failed: %r", exc)
         await self._housekeeping()
@@ -629,20 +630,28 @@ class Scheduler(SlotRunner):
                 spec.after = max(spec.after or decided[spec.name], decided[spec.name])
                 spec.next_due = spec.next_after(spec.after)
 
-    async def _take_owed(self, specs: list[Job]) -> None:
-        """Runs owed (a trigger from SQL or the CLI, a resume with catch_up latest)."""
-        if not specs:
+    async def _take_owed(self, owed: list[tuple[str, Any, Any, Any]]) -> None:
+        """Runs owed (a trigger from SQL or the CLI, a resume with catch_up latest) of
+        the schedules run here. A resume's run is owed only if the expression fired
+        in the pause (slot_after, slot_until]; if not, the row is dropped unrun."""
+        mine = [(self._specs[name], at, after, until) for name, at, after, until in owed
+                if name in self._specs]
+        if not mine:
             return
         try:
             runner = self.runner
         except NotJoined:
             return
+        runs = [after is None or until is None
+                or next_slot(spec.expr, spec.tz, as_utc(after)) <= as_utc(until)
+                for spec, _, after, until in mine]
         sent = time.monotonic()
         row = await run_statement(self._source, query("schedule_take_owed"), (
-            [s.name for s in specs], [int(s.claim_ttl * 1000) for s in specs], runner))
+            [m[0].name for m in mine], [m[1] for m in mine], runs,
+            [int(m[0].claim_ttl * 1000) for m in mine], runner))
         if row is None or row[0] is None:
             return
-        by_name = {s.name: s for s in specs}  # not self._specs: a reload may replace it
+        by_name = {m[0].name: m[0] for m in mine}  # not self._specs: a reload may replace it
         for job, at, attempt in zip(*row, strict=True):
             spec = by_name[job]
             self._start(spec, Slot(job, as_utc(at), int(attempt), manual=True, args=spec.args),

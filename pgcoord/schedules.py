@@ -7,7 +7,8 @@ due. A change of expression or zone counts slots afresh from the change; the old
 expression's slots due before it that no replica had recorded yet are recorded
 ``missed`` (reason ``changed``). A paused schedule's slots are recorded
 ``skipped`` (reason ``paused``) as they come due, so every slot still has a row;
-``resume(catch_up="latest")`` then owes one run now if any slot was skipped.
+``resume(catch_up="latest")`` then owes one run now if the expression fired
+during the pause (the replica that takes the owed run checks the expression).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 -- Reverses 0006.
 DROP FUNCTION pgcoord.schedule_finish(text[], timestamptz[], text[], integer[], text[], text[], text[]);
-DROP FUNCTION pgcoord.schedule_take_owed(text[], bigint[], text);
+DROP FUNCTION pgcoord.schedule_take_owed(text[], timestamptz[], boolean[], bigint[], text);
 DROP FUNCTION pgcoord.schedule_prune(text[], bigint[], integer);
 DROP FUNCTION pgcoord.schedule_recover(text[], bigint[], boolean[], integer[], text);
 DROP FUNCTION pgcoord.schedule_decide(text[], timestamptz[], bigint[], text[], text[], text[], bigint[], text);

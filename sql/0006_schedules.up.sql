@@ -34,10 +34,15 @@ COMMENT ON TABLE pgcoord.schedules IS
 
 -- Runs owed outside the schedule (trigger from SQL or the CLI, resume with
 -- catch_up latest): a replica that has the handler deletes the row and runs it
--- as a manual slot at `at`, so it runs once.
+-- as a manual slot at `at`, so it runs once. A resume's run is owed only if the
+-- expression fired in (slot_after, slot_until], the pause: SQL cannot evaluate
+-- cron, and job_slots holds a paused slot only if a replica ran meanwhile, so
+-- the replica that takes the row works it out (and drops the row if not).
 CREATE TABLE pgcoord.schedule_owed (
-    name text NOT NULL REFERENCES pgcoord.schedules (name) ON DELETE CASCADE,
-    at   timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    name       text NOT NULL REFERENCES pgcoord.schedules (name) ON DELETE CASCADE,
+    at         timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    slot_after timestamptz,
+    slot_until timestamptz,
     PRIMARY KEY (name, at)
 );
 
@@ -105,8 +110,9 @@ CREATE FUNCTION pgcoord.schedule_pause(schedule_name text) RETURNS boolean
             OR EXISTS (SELECT 1 FROM pgcoord.schedules AS s WHERE s.name = schedule_name)
     $body$;
 
--- catch_up 'none': the slots skipped while paused stay skipped. 'latest': if any
--- was skipped, one run is owed now (a manual slot), as if the latest had run late.
+-- catch_up 'none': the slots skipped while paused stay skipped. 'latest': if a
+-- slot fell in the pause, one run is owed now (a manual slot), as if the latest
+-- had run late; the replica that takes it checks the expression (see schedule_owed).
 CREATE FUNCTION pgcoord.schedule_resume(schedule_name text, catch_up text DEFAULT 'none')
 RETURNS boolean
     LANGUAGE plpgsql
@@ -121,16 +127,14 @@ RETURNS boolean
         UPDATE pgcoord.schedules AS s
            SET paused = false, resumed_at = pg_catalog.clock_timestamp()
          WHERE s.name = schedule_name AND s.paused
-        RETURNING s.paused_at, s.resumed_at INTO was;
+        RETURNING s.paused_at, s.resumed_at, s.since INTO was;
         IF NOT FOUND THEN
             RETURN EXISTS (SELECT 1 FROM pgcoord.schedules AS s WHERE s.name = schedule_name);
         END IF;
-        IF catch_up = 'latest' AND EXISTS (
-            SELECT 1 FROM pgcoord.job_slots AS j
-            WHERE j.job = schedule_name AND j.slot_at > was.paused_at
-              AND j.state = 'skipped' AND j.reason = 'paused'
-        ) THEN
-            INSERT INTO pgcoord.schedule_owed (name, at) VALUES (schedule_name, was.resumed_at)
+        IF catch_up = 'latest' THEN
+            INSERT INTO pgcoord.schedule_owed (name, at, slot_after, slot_until)
+            VALUES (schedule_name, was.resumed_at,
+                    GREATEST(coalesce(was.paused_at, was.since), was.since), was.resumed_at)
             ON CONFLICT DO NOTHING;
         END IF;
         RETURN true;
@@ -390,16 +394,24 @@ RETURNS integer
         SELECT count(*)::integer FROM deleted
     $body$;
 
--- Runs owed (schedule_trigger, resume with catch_up latest) of the given jobs:
--- taken by one replica each, and claimed as manual running slots.
-CREATE FUNCTION pgcoord.schedule_take_owed(jobs text[], claim_ms bigint[], job_runner text)
-RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
+-- Runs owed (schedule_trigger, resume with catch_up latest), one entry per owed
+-- row (job, at) as schedule_tick listed it: each row is taken by one replica,
+-- and claimed as a manual running slot if `runs` says so (false: a resume whose
+-- pause had no slot, which the replica worked out; the row is only dropped).
+CREATE FUNCTION pgcoord.schedule_take_owed(
+    jobs text[], ats timestamptz[], runs boolean[], claim_ms bigint[], job_runner text
+) RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
     LANGUAGE sql
     AS $body$
-        WITH taken AS (
+        WITH u AS (
+            SELECT * FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(ats),
+                                     pg_catalog.unnest(runs), pg_catalog.unnest(claim_ms))
+                 AS u(job, at, run, claim_ms)
+        ), taken AS (
             DELETE FROM pgcoord.schedule_owed AS o
             WHERE (o.name, o.at) IN (SELECT x.name, x.at FROM pgcoord.schedule_owed AS x
-                                     WHERE x.name = ANY (jobs) FOR UPDATE SKIP LOCKED)
+                                     JOIN u ON u.job = x.name AND u.at = x.at
+                                     FOR UPDATE OF x SKIP LOCKED)
             RETURNING o.name, o.at
         )
         INSERT INTO pgcoord.job_slots AS s
@@ -407,7 +419,8 @@ RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
         SELECT t.name, t.at, true, 'running', 1, job_runner, pg_catalog.clock_timestamp(),
                pg_catalog.clock_timestamp() + u.claim_ms * interval '1 millisecond'
         FROM taken AS t
-        JOIN ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(claim_ms)) AS u(job, claim_ms) ON u.job = t.name
+        JOIN u ON u.job = t.name AND u.at = t.at
+        WHERE u.run
         ON CONFLICT (job, slot_at) DO NOTHING
         RETURNING s.job, s.slot_at, s.attempt
     $body$;

@@ -6,10 +6,15 @@
 -- name: schedule_tick
 -- Each tick: the database clock, the schedules' change counter (a replica that
 -- sees it move reloads: the poll behind poolers, where LISTEN hears nothing) and
--- the schedules with a run owed.
-SELECT pg_catalog.clock_timestamp(), e.epoch,
-       (SELECT pg_catalog.array_agg(DISTINCT o.name) FROM pgcoord.schedule_owed AS o)
+-- the runs owed, column by column (name, at, and the pause a resume's run is
+-- owed for, if any).
+SELECT pg_catalog.clock_timestamp(), e.epoch, o.*
 FROM pgcoord.schedule_epoch AS e
+CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
+                   pg_catalog.array_agg(o.at ORDER BY o.name, o.at),
+                   pg_catalog.array_agg(o.slot_after ORDER BY o.name, o.at),
+                   pg_catalog.array_agg(o.slot_until ORDER BY o.name, o.at)
+            FROM pgcoord.schedule_owed AS o) AS o
 
 -- name: schedule_load
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
@@ -59,7 +64,8 @@ FROM pgcoord.schedule_recover(CAST($1 AS text[]), CAST($2 AS bigint[]), CAST($3 
 
 -- name: schedule_take_owed
 SELECT pg_catalog.array_agg(t.job), pg_catalog.array_agg(t.slot_at), pg_catalog.array_agg(t.attempt)
-FROM pgcoord.schedule_take_owed(CAST($1 AS text[]), CAST($2 AS bigint[]), $3) AS t
+FROM pgcoord.schedule_take_owed(CAST($1 AS text[]), CAST($2 AS timestamptz[]),
+                                CAST($3 AS boolean[]), CAST($4 AS bigint[]), $5) AS t
 
 -- name: schedule_prune
 SELECT pgcoord.schedule_prune(CAST($1 AS text[]), CAST($2 AS bigint[]), $3)

@@ -147,6 +147,36 @@ async def test_paused_slots_are_recorded_skipped_and_resume_latest_runs_one_now(
     assert len([r for r in ran if r.manual]) == 1
 
 
+async def test_resume_latest_owes_a_run_when_a_slot_fell_in_the_pause_with_no_replica_running(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """No replica ran during the pause, so no slot of it was recorded skipped: the
+    pause's slots are worked out from the expression, from SQL and the CLI alike."""
+    handler = unique("h")
+    s = Scheduler(pool)
+    ran: list[Slot] = []
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        ran.append(slot)
+
+    every, by_sql, by_cli, never = (unique(n) for n in ("every", "sql", "cli", "never"))
+    for name in (every, by_sql, by_cli):
+        await s.add(name, "* * * * * *", handler=handler, paused=True)
+    await s.add(never, "0 0 1 1 *", handler=handler, paused=True)  # no slot in the pause
+    await asyncio.sleep(1.2)
+    await s.resume(every, catch_up="latest")
+    assert sql(dsn, "select pgcoord.schedule_resume(%s, 'latest')", by_sql) == [(True,)]
+    out = cli(dsn, "resume", by_cli, "--catch-up", "latest")
+    assert out.returncode == 0, out.stderr
+    await s.resume(never, catch_up="latest")
+    await s.tick()
+    await wait_for(lambda: {r.job for r in ran if r.manual} == {every, by_sql, by_cli})
+    await asyncio.sleep(0.2)
+    assert len([r for r in ran if r.manual]) == 3
+    assert not sql(dsn, "select 1 from pgcoord.schedule_owed where name = %s", never)
+    assert not [r for r in rows(dsn, never) if r[3]]
+
+
 async def test_a_removed_schedule_finishes_its_running_slot_and_starts_no_more(
         dsn: str, pool: asyncpg.Pool) -> None:
     handler, name = unique("h"), unique("removed")
