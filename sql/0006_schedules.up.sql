@@ -338,6 +338,10 @@ CREATE FUNCTION pgcoord.schedule_decide(
 -- the rows are then updated by ctid. Joining the arrays to job_slots instead lets
 -- the planner, whose statistics lag behind a burst of claims, pick a nested loop
 -- of every running slot against every job (seconds for 10,000 schedules).
+-- Abandoning needs no handler, so expired claims of jobs this replica does not
+-- run are abandoned too when nobody could take them over: the schedule was
+-- removed, or it does not retry (or has used its attempts). Otherwise a removed
+-- schedule's slot, or one whose handler only a dead replica had, stayed running.
 CREATE FUNCTION pgcoord.schedule_recover(
     jobs text[], claim_ms bigint[], retries boolean[], max_attempts integer[], job_runner text
 ) RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
@@ -345,15 +349,22 @@ CREATE FUNCTION pgcoord.schedule_recover(
     AS $body$
         UPDATE pgcoord.job_slots AS s
            SET state = 'abandoned',
-               reason = CASE WHEN retries[e.p] THEN 'runner lost; attempts used up' ELSE 'runner lost' END,
+               reason = CASE WHEN e.p IS NULL AND e.gone THEN 'runner lost; schedule removed'
+                             WHEN (e.p IS NOT NULL AND retries[e.p])
+                               OR (e.p IS NULL AND e.on_crash = 'retry')
+                             THEN 'runner lost; attempts used up'
+                             ELSE 'runner lost' END,
                finished_at = pg_catalog.clock_timestamp(), claim_expires_at = NULL
-          FROM (SELECT x.ctid AS id, x.attempt, pg_catalog.array_position(jobs, x.job) AS p
+          FROM (SELECT x.ctid AS id, x.attempt, pg_catalog.array_position(jobs, x.job) AS p,
+                       sc.name IS NULL AS gone, sc.on_crash, sc.max_attempts AS most
                 FROM pgcoord.job_slots AS x
+                LEFT JOIN pgcoord.schedules AS sc ON sc.name = x.job
                 WHERE x.state = 'running' AND x.claim_expires_at < pg_catalog.clock_timestamp()
                 OFFSET 0) AS e
-         WHERE s.ctid = e.id AND e.p IS NOT NULL AND s.state = 'running'
+         WHERE s.ctid = e.id AND s.state = 'running'
            AND s.claim_expires_at < pg_catalog.clock_timestamp()
-           AND (NOT retries[e.p] OR s.attempt >= max_attempts[e.p]);
+           AND CASE WHEN e.p IS NOT NULL THEN NOT retries[e.p] OR s.attempt >= max_attempts[e.p]
+                    ELSE e.gone OR e.on_crash = 'skip' OR s.attempt >= e.most END;
         UPDATE pgcoord.job_slots AS s
            SET attempt = s.attempt + 1, runner = job_runner, started_at = pg_catalog.clock_timestamp(),
                claim_expires_at = pg_catalog.clock_timestamp() + claim_ms[e.p] * interval '1 millisecond'

@@ -188,3 +188,33 @@ async def test_a_replica_killed_while_applying_changes_leaves_a_whole_schedule(
     # No slot of the churn is left running, and none is later than the kill but not done.
     assert not sql(dsn, "select 1 from pgcoord.job_slots where job = %s and state = 'running'", name)
     assert killed < later[0][0] + dt.timedelta(seconds=60)
+
+
+async def test_a_runner_killed_after_its_schedule_was_removed_leaves_no_slot_running(
+        dsn: str, fleet: Fleet, pool: asyncpg.Pool) -> None:
+    """Recovery looked only at the schedules a replica runs: a removed schedule's
+    slot, or one whose handler only the dead replica had, stayed running for ever."""
+    mine, other = unique("mine"), unique("other")
+    doomed = fleet.spawn("doomed", [mine])
+    fleet.spawn("survivor", [other])
+    admin = Scheduler(pool)
+    removed, orphan, alive = unique("removed"), unique("orphan"), unique("alive")
+    await admin.add(alive, "* * * * * *", handler=other)
+    await admin.add(removed, "* * * * * *", handler=mine, args={"sleep": 60})
+    await admin.add(orphan, "* * * * * *", handler=mine, args={"sleep": 60})
+    deadline = asyncio.get_running_loop().time() + 10
+    while not (starts(dsn, removed) and starts(dsn, orphan)):
+        assert asyncio.get_running_loop().time() < deadline, "the slots did not start"
+        await asyncio.sleep(0.05)
+    await admin.remove(removed)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    deadline = asyncio.get_running_loop().time() + 10
+    while sql(dsn, "select 1 from pgcoord.job_slots where job in (%s, %s) and state = 'running'",
+              removed, orphan):
+        assert asyncio.get_running_loop().time() < deadline, "a dead runner's slot is still running"
+        await asyncio.sleep(0.1)
+    lost = sql(dsn, "select job, reason from pgcoord.job_slots where job in (%s, %s)"
+                    " and state = 'abandoned' order by job", removed, orphan)
+    assert (removed, "runner lost; schedule removed") in lost
+    assert (orphan, "runner lost") in lost
