@@ -198,7 +198,7 @@ class SyncSemaphore:
             self._end_rolled_back_sync(session)
             return
         if not session.in_transaction():
-            release_sync(session, rollback=True)
+            self._end_sync(session, rollback=True)  # the body's COMMIT freed the lane
             raise self.request.ended_early()
         try:
             session.commit()

@@ -380,7 +380,7 @@ class Semaphore(SyncSemaphore):
             await self._end_rolled_back_async(session)
             return
         if not session.in_transaction():
-            await release_async(session, rollback=True)
+            await self._end_async(session, rollback=True)  # the body's COMMIT freed the lane
             raise self.request.ended_early()
         try:
             await session.commit()

@@ -1138,3 +1138,31 @@ async def test_a_member_try_that_overruns_after_taking_a_lane_leaves_none(
         monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
         await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 5)
         assert member.has_session
+
+
+@pytest.mark.usefixtures("no_recheck")
+@pytest.mark.parametrize("kind", ["asyncpg-conn", "psycopg-conn"])
+async def test_a_body_that_commits_inside_is_told_and_wakes_a_waiter(dsn: str, kind: str) -> None:
+    """A body that ends the slot's transaction itself gets PgcoordError at the
+    block's end; its COMMIT freed the slot, and a waiter is told."""
+    name = unique("sem-early")
+    waiter_conn = await asyncpg.connect(dsn)
+    async with open_async(kind, dsn, size=1) as source:
+        release = asyncio.Event()
+
+        async def body() -> None:
+            async with pgcoord.semaphore(source, name, limit=1) as conn:
+                await release.wait()
+                await conn.execute("COMMIT")
+
+        held = asyncio.create_task(body())
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 1)
+        waiter = asyncio.create_task(_hold_once(waiter_conn, name))
+        await _wait_until(lambda: len(_lanes(dsn, name)) == 2)
+        release.set()
+        with pytest.raises(pgcoord.PgcoordError, match="ended inside the block"):
+            await held
+        await asyncio.wait_for(waiter, 5)
+        await _assert_clean_async(source)
+    await waiter_conn.close()
+    assert _semaphore_locks(dsn, name) == 0
