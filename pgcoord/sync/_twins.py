@@ -68,8 +68,9 @@ class Member(_Twin):
         self.close()
 
     def watch(self, timeout: float | None = None) -> Iterator[Any]:
-        """Membership changes from this call on; with ``timeout``, ends after that many
-        seconds without one."""
+        """Membership changes from this call on (subscribed at once, as the async
+        ``watch()``); with ``timeout``, the iterator ends after that many seconds
+        without one."""
         changes: queue.Queue[Any] = queue.Queue()
         subscription = _on_portal(self._portal, self._async.watch)
 
@@ -79,17 +80,21 @@ class Member(_Twin):
             changes.put(StopIteration)
 
         future = self._portal.submit(pump())
-        try:
-            while True:
-                try:
-                    change = changes.get(timeout=timeout)
-                except queue.Empty:
-                    return
-                if change is StopIteration:
-                    return
-                yield change
-        finally:
-            future.cancel()
+
+        def iterate() -> Iterator[Any]:
+            try:
+                while True:
+                    try:
+                        change = changes.get(timeout=timeout)
+                    except queue.Empty:
+                        return
+                    if change is StopIteration:
+                        return
+                    yield change
+            finally:
+                future.cancel()
+
+        return iterate()
 
 
 class LockHolder(_Twin):
