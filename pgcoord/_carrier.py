@@ -73,6 +73,9 @@ class Carrier:
         self.lost_reason: str | None = None
         self.retired = False
         self.holding: dict[HeldLock | HeldSemaphore, asyncio.Task[Any]] = {}
+        #: Semaphore keys whose lanes a body left to this carrier's give-back
+        #: (the holder is closing): their waiters are told once it is done.
+        self.wake_keys: set[int] = set()
         self._io = asyncio.Lock()
         # Who runs the statement in flight under _io: "user", "probe", "cleanup".
         self._io_owner: str | None = None
@@ -367,6 +370,8 @@ class Carrier:
                 if row[0] != 0:
                     raise PgcoordError(f"{row[0]} advisory lock(s) still held after unlock_all")
                 # Lanes of bodies still holding went with unlock_all: tell their waiters.
+                lane_keys |= self.wake_keys
+                lane_keys |= {held.request.key for held in self.holding if _is_lane(held)}
                 for key in lane_keys:
                     await self.conn.fetchval(_SEMAPHORE_WAKE, key)
             await self.conn.give_back()
@@ -382,17 +387,18 @@ class Carrier:
     async def _let_go_of_shared(self) -> None:
         """Retire on a member's session: send the unlocks not yet sent and undo the
         locks still held by bodies, key by key; the session itself stays."""
+        # Lanes go through the member in the background, once each (a body told
+        # to stop may hand its own over first): the session is the member's.
+        for held in list(self.holding):
+            if _is_lane(held):
+                held.release_on_shared_session()  # type: ignore[union-attr]
         try:
             async with self._io:
                 self._io_owner = "cleanup"
                 await self._send_unlocks()
                 keys = [(held.request.key, held.request.shared)  # type: ignore[union-attr]
-                        for held in self.holding if not _is_lane(held)]
+                        for held in list(self.holding) if not _is_lane(held)]
                 await self._undo(keys)
-                for held in self.holding:
-                    if _is_lane(held):
-                        await self.conn.fetchval(query("semaphore_release"), held.request.key,
-                                                 held.lane)  # type: ignore[union-attr]
         finally:
             self.conn.terminate()
             self._discarded = True

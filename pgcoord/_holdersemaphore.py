@@ -167,7 +167,7 @@ async def _listen(carrier: Carrier, callback: Callable[[str], None]) -> Callable
 class HeldSemaphore:
     """One semaphore slot held through a :class:`LockHolder`. Single use at a time."""
 
-    __slots__ = ("_entered", "carrier", "holder", "lane", "lost_reason", "request")
+    __slots__ = ("_entered", "carrier", "handed", "holder", "lane", "lost_reason", "request")
 
     def __init__(self, holder: LockHolder, request: SemaphoreRequest) -> None:
         self.holder = holder
@@ -175,6 +175,9 @@ class HeldSemaphore:
         self.carrier: Carrier | None = None
         self.lane: int | None = None
         self.lost_reason: str | None = None
+        #: Whether the lane's release on a member's session was handed to the
+        #: background (by whoever came first: the carrier giving up, or the body).
+        self.handed = False
         self._entered = False
 
     # -- what Carrier and LockHolder read of a holding ------------------------------
@@ -185,8 +188,10 @@ class HeldSemaphore:
 
     def release_on_shared_session(self) -> None:
         """The member's session outlives this holder's carrier (given up after an
-        overrun): release the lane there in the background."""
-        if self.carrier is not None and self.lane is not None:
+        overrun, or the holder closed): release the lane there in the background,
+        once."""
+        if not self.handed and self.carrier is not None and self.lane is not None:
+            self.handed = True
             _release_later(self.holder, self.carrier, self.request, self.lane)
 
     # -- taking --------------------------------------------------------------------------
@@ -202,7 +207,7 @@ class HeldSemaphore:
         except BaseException:
             self._entered = False
             raise
-        self.carrier, self.lane, self.lost_reason = carrier, lane, None
+        self.carrier, self.lane, self.lost_reason, self.handed = carrier, lane, None, False
         carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
         metrics.lock_wait(self.request.name, time.monotonic() - started)
         if carrier.dedicated:
@@ -423,15 +428,20 @@ class HeldSemaphore:
         carrier, holder, request, lane = self.carrier, self.holder, self.request, self.lane
         assert carrier is not None and lane is not None
         carrier.holding.pop(self, None)
-        self.carrier = self.lane = None
         try:
             if self.lost_reason is not None:
-                if not carrier.shared:  # else mark_lost handed it to release_on_shared_session
+                if carrier.shared:  # unless the carrier's give-up handed it over already
+                    self.release_on_shared_session()
+                else:  # gone with the session, or with the give-back of a closing holder
                     _note(carrier, request.key, lane, -1)
+                    if not carrier.lost:
+                        carrier.wake_keys.add(request.key)
+                self.carrier = self.lane = None
                 metrics.lock_lost(request.name, self.lost_reason)
                 if isinstance(exc, asyncio.CancelledError):
                     absorb_cancel()
                 raise LockLost(f"{request.describe()} lost: {self.lost_reason}") from exc
+            self.carrier = self.lane = None
             if carrier.lost:
                 self._after_lost(carrier, lane)  # elsewhere released with the session
                 return

@@ -1166,3 +1166,27 @@ async def test_a_body_that_commits_inside_is_told_and_wakes_a_waiter(dsn: str, k
         await _assert_clean_async(source)
     await waiter_conn.close()
     assert _semaphore_locks(dsn, name) == 0
+
+
+async def test_closing_a_member_holder_under_a_body_releases_its_lane(dsn: str) -> None:
+    """LockHolder(member).close() with a body still in a slot: the member's session
+    lives on, so the lane must be released on it (not left for its lifetime)."""
+    name = unique("sem-close-member")
+    async with pgcoord.Member(dsn, group=unique("g")) as member:
+        holder = pgcoord.LockHolder(member)
+        await holder.open()
+        entered = asyncio.Event()
+
+        async def body() -> None:
+            async with holder.semaphore(name, limit=1):
+                entered.set()
+                await asyncio.sleep(30)
+
+        held = asyncio.create_task(body())
+        await entered.wait()
+        await holder.close()
+        with pytest.raises(pgcoord.LockLost):
+            await held
+        await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 5)
+        async with pgcoord.LockHolder(member) as again, again.semaphore(name, limit=1, wait=False):
+            pass
