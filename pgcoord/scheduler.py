@@ -332,8 +332,9 @@ class Scheduler(SlotRunner):
             raise RuntimeError("this Scheduler is already running")
         self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
         unhook = self._hook_member()
+        declaring: asyncio.Task[None] | None = None
         try:
-            await self._register()
+            declaring = await self._register()
             await self._listen()
             failures = 0
             while not self._draining:
@@ -359,6 +360,9 @@ class Scheduler(SlotRunner):
             absorb_cancel()
         finally:
             unhook()
+            if declaring is not None:
+                declaring.cancel()
+                declaring.add_done_callback(consume_result)
             try:
                 await finish_despite_cancel(self._stop_runs(), bound=2 * CLEANUP_TIMEOUT)
             except CleanupTimeout:
@@ -412,7 +416,9 @@ class Scheduler(SlotRunner):
             return
 
         def changed(_payload: str) -> None:
-            self._epoch = None  # reload on the next tick, which starts now
+            # Tick now. The tick reads the change counter (committed before the
+            # notification is delivered) and reloads only if it moved: a run owed
+            # (payload 'owed') or a change already seen loads nothing.
             self._wake.set()
 
         try:
@@ -432,28 +438,45 @@ class Scheduler(SlotRunner):
             self._last_recover = 0.0  # look for them on this very tick
             self._wake.set()
 
-    async def _register(self) -> None:
-        """Write the code's schedules, trying again (backing off) while the database is away."""
+    async def _register(self) -> asyncio.Task[None] | None:
+        """Write the code's schedules. If that fails (the database away, or a lock
+        held by a transaction that changed these rows and is still open:
+        schedule_declare waits 1 s at most), the loop starts anyway, running the
+        schedules there are, and a task (returned; run() owns it) tries again,
+        backing off, and reloads once it is done."""
+        if not self.jobs:
+            return None
+        try:
+            await self._declare()
+        except SchemaMissing:
+            raise
+        except Exception as exc:
+            log.warning("declaring the code's schedules failed; running the schedules there are"
+                        " and trying again: %r", exc)
+            return asyncio.create_task(self._declare_again(), name="pgcoord-scheduler-declare")
+        return None
+
+    async def _declare(self) -> None:
         declared = [{"name": s.name, "expr": s.expr, "tz": s.tz.key, "on_crash": s.on_crash,
                      "catch_up": s.catch_up, "deadline": s.deadline, "allow_overlap": s.allow_overlap,
                      "timeout": s.timeout, "max_attempts": s.max_attempts}
                     for s in self.jobs.values()]
+        row = await run_statement(self._source, query("schedule_declare"), (json.dumps(declared),))
+        assert row is not None
+        self._clock_offset = row[0].timestamp() - time.time()
+
+    async def _declare_again(self) -> None:
         failures = 0
         while not self._draining:
+            failures += 1
+            await asyncio.sleep(_backoff(failures))
             try:
-                row = await run_statement(self._source, query("schedule_declare"),
-                                          (json.dumps(declared),))
-            except SchemaMissing:
-                raise
+                await self._declare()
             except Exception as exc:
-                failures += 1
-                pause = _backoff(failures)
-                log.warning("declaring the code's schedules failed, trying again in %.2f s: %r",
-                            pause, exc)
-                await self._sleep(pause)
+                log.warning("declaring the code's schedules failed (%d in a row): %r", failures, exc)
                 continue
-            assert row is not None
-            self._clock_offset = row[0].timestamp() - time.time()
+            self._epoch = None  # load what was declared at the next tick, now
+            self._wake.set()
             return
 
     async def _sleep(self, seconds: float) -> None:

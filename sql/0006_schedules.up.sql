@@ -68,32 +68,49 @@ CREATE TRIGGER schedules_versioned BEFORE UPDATE ON pgcoord.schedules
     FOR EACH ROW EXECUTE FUNCTION pgcoord.schedules_versioned();
 
 -- Per statement, not per row: adding 10,000 schedules in one statement is one
--- bump and one notification.
+-- bump and one notification. A statement that changed no row (a replica's start
+-- declaring what is there, a pause of a paused schedule) bumps nothing: every
+-- replica would reload every schedule, and the bump locks the counter's row
+-- until commit, so that any other change waits for this transaction. Transition
+-- tables tell; PostgreSQL allows them on one event per trigger, hence three.
 CREATE FUNCTION pgcoord.schedules_changed() RETURNS trigger
     LANGUAGE plpgsql
     AS $body$
     DECLARE
         bumped bigint;
     BEGIN
+        IF NOT EXISTS (SELECT 1 FROM changed) THEN
+            RETURN NULL;
+        END IF;
         UPDATE pgcoord.schedule_epoch SET epoch = epoch + 1 RETURNING epoch INTO bumped;
         PERFORM pg_catalog.pg_notify('pgcoord_schedules', bumped::text);
         RETURN NULL;
     END
     $body$;
 
-CREATE TRIGGER schedules_changed AFTER INSERT OR UPDATE OR DELETE ON pgcoord.schedules
+CREATE TRIGGER schedules_inserted AFTER INSERT ON pgcoord.schedules
+    REFERENCING NEW TABLE AS changed
+    FOR EACH STATEMENT EXECUTE FUNCTION pgcoord.schedules_changed();
+CREATE TRIGGER schedules_updated AFTER UPDATE ON pgcoord.schedules
+    REFERENCING NEW TABLE AS changed
+    FOR EACH STATEMENT EXECUTE FUNCTION pgcoord.schedules_changed();
+CREATE TRIGGER schedules_deleted AFTER DELETE ON pgcoord.schedules
+    REFERENCING OLD TABLE AS changed
     FOR EACH STATEMENT EXECUTE FUNCTION pgcoord.schedules_changed();
 
 CREATE FUNCTION pgcoord.schedule_owed_added() RETURNS trigger
     LANGUAGE plpgsql
     AS $body$
     BEGIN
-        PERFORM pg_catalog.pg_notify('pgcoord_schedules', 'owed');
+        IF EXISTS (SELECT 1 FROM added) THEN
+            PERFORM pg_catalog.pg_notify('pgcoord_schedules', 'owed');
+        END IF;
         RETURN NULL;
     END
     $body$;
 
 CREATE TRIGGER schedule_owed_added AFTER INSERT ON pgcoord.schedule_owed
+    REFERENCING NEW TABLE AS added
     FOR EACH STATEMENT EXECUTE FUNCTION pgcoord.schedule_owed_added();
 
 -- Operators' controls. Each returns false for a schedule that does not exist.
@@ -238,8 +255,11 @@ CREATE FUNCTION pgcoord.schedule_update(
 -- Declare the code's schedules (one JSON object each) at a replica's start. The
 -- code owns expr, tz and options; paused and args stay as operators left them.
 -- A new row counts slots from the job's old pgcoord.jobs registration, if any.
+-- Bounded (lock_timeout): a transaction holding a change of these rows open
+-- must not keep a starting replica from running; it declares again later.
 CREATE FUNCTION pgcoord.schedule_declare(declared jsonb) RETURNS TABLE (now timestamptz)
     LANGUAGE sql
+    SET lock_timeout = '1s'
     AS $body$
         INSERT INTO pgcoord.jobs AS j (job, schedule, tz)
         SELECT d.name, d.expr, d.tz

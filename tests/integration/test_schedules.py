@@ -454,3 +454,101 @@ async def test_with_a_member_a_change_is_heard_at_once_not_at_the_next_poll(
             await task
     # A replica that starts before any of its schedules exists ticks without failing.
     assert not [r for r in caplog.records if "tick failed" in r.getMessage()]
+
+
+def _epoch(dsn: str) -> int:
+    value = sql(dsn, "select epoch from pgcoord.schedule_epoch")[0][0]
+    assert isinstance(value, int)
+    return value
+
+
+async def test_statements_that_change_no_schedule_neither_bump_the_counter_nor_notify(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """Every replica reloads all its schedules when the counter moves: a statement
+    that changed nothing (a start that declares what is there) must not move it."""
+    s = Scheduler(pool)
+    name = unique("still")
+    await s.add(name, "0 0 1 1 *", handler=unique("h"))
+    await s.pause(name)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute("listen pgcoord_schedules")
+        before = _epoch(dsn)
+        sql(dsn, "select pgcoord.schedule_declare('[]')")
+        assert sql(dsn, "select pgcoord.schedule_pause(%s)", unique("missing")) == [(False,)]
+        assert sql(dsn, "select pgcoord.schedule_pause(%s)", name) == [(True,)]  # paused already
+        assert sql(dsn, "select pgcoord.schedule_resume(%s)", unique("missing")) == [(False,)]
+        assert sql(dsn, "select pgcoord.schedule_remove(%s)", unique("missing")) == [(False,)]
+        sql(dsn, "update pgcoord.schedules set paused = true where false")
+        assert _epoch(dsn) == before
+        assert list(listener.notifies(timeout=0.5, stop_after=1)) == []
+        await s.resume(name)  # a real change still moves it, once
+        assert _epoch(dsn) == before + 1
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == [str(before + 1)]
+
+
+async def test_a_replica_starts_and_runs_while_another_session_holds_a_change_open(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """A change not yet committed holds the counter's row; a replica starting then
+    must not wait for it to run what it can (its code's new schedule follows later)."""
+    handler, existing, in_code, other = unique("h"), unique("existing"), unique("code"), unique("o")
+    admin = Scheduler(pool)
+    await admin.add(existing, "* * * * * *", handler=handler)
+    await admin.add(other, "0 0 1 1 *", handler=unique("h"))
+    ran: list[Slot] = []
+    s = Scheduler(pool)
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        ran.append(slot)
+
+    @s.cron(in_code, "* * * * * *")
+    async def coded(slot: Slot) -> None:
+        ran.append(slot)
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute("select pgcoord.schedule_pause(%s)", (other,))  # open, not committed
+        task = asyncio.create_task(s.run())
+        try:
+            await wait_for(lambda: any(r.job == existing for r in ran), within=8)
+            holder.commit()
+            await wait_for(lambda: any(r.job == in_code for r in ran), within=8)
+        finally:
+            holder.rollback()
+            await s.stop()
+            await task
+
+
+async def test_a_trigger_heard_through_the_member_reloads_no_schedule(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    handler, name = unique("h"), unique("owed")
+    ran: list[Slot] = []
+    async with pgcoord.Member(dsn, group=unique("owed")) as member:
+        s = Scheduler(pool, member=member, tick=30)
+
+        @s.job(handler)
+        async def work(slot: Slot) -> None:
+            ran.append(slot)
+
+        await s.add(name, "0 0 1 1 *", handler=handler)
+        reloads = 0
+        real_reload = s._reload
+
+        async def counted() -> None:
+            nonlocal reloads
+            reloads += 1
+            await real_reload()
+
+        s._reload = counted  # type: ignore[method-assign]
+        task = asyncio.create_task(s.run())
+        try:
+            await asyncio.sleep(0.5)
+            loaded = reloads
+            assert loaded >= 1
+            for _ in range(3):
+                sql(dsn, "select pgcoord.schedule_trigger(%s)", name)
+                count = len(ran)
+                await wait_for(lambda: len(ran) > count, within=5)  # heard at once (tick is 30 s)
+        finally:
+            await s.stop()
+            await task
+    assert reloads == loaded
