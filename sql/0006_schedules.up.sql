@@ -218,9 +218,15 @@ CREATE FUNCTION pgcoord.schedule_update(
     LANGUAGE plpgsql
     AS $body$
     DECLARE
-        now_ timestamptz := pg_catalog.clock_timestamp();
+        now_ timestamptz;
         new_version bigint;
     BEGIN
+        -- Lock first, then read the clock: a change that waits (for another
+        -- change, or for claims being decided under the old version, which hold
+        -- FOR KEY SHARE) counts its slots from when it applies, not from when it
+        -- was sent; claims decided meanwhile were for slots before that.
+        PERFORM 1 FROM pgcoord.schedules AS s WHERE s.name = schedule_name FOR UPDATE;
+        now_ := pg_catalog.clock_timestamp();
         IF horizon IS NOT NULL AND now_ > horizon THEN
             RETURN NULL;
         END IF;
@@ -307,14 +313,23 @@ CREATE FUNCTION pgcoord.schedule_decide(
 ) RETURNS TABLE (job text, slot_at timestamptz, state text, attempt integer)
     LANGUAGE sql
     AS $body$
-        WITH w AS (
+        -- The schedules decided for, held FOR KEY SHARE until this statement
+        -- commits: a change (schedule_update locks FOR UPDATE) waits for the
+        -- claims made under the old version, and claims wait for the change and
+        -- then see its new version (stale). In name order, as every decide.
+        WITH held AS MATERIALIZED (
+            SELECT s.name, s.version FROM pgcoord.schedules AS s
+            WHERE s.name = ANY (jobs)
+            ORDER BY s.name
+            FOR KEY SHARE
+        ), w AS (
             SELECT u.job, u.at, u.act, u.reason, u.on_overlap, u.claim_ms,
                    (s.name IS NOT NULL) AS current
             FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(ats), pg_catalog.unnest(versions),
                            pg_catalog.unnest(acts), pg_catalog.unnest(reasons),
                            pg_catalog.unnest(on_overlaps), pg_catalog.unnest(claim_ms))
                  AS u(job, at, version, act, reason, on_overlap, claim_ms)
-            LEFT JOIN pgcoord.schedules AS s ON s.name = u.job AND s.version = u.version
+            LEFT JOIN held AS s ON s.name = u.job AND s.version = u.version
         ), c AS (
             SELECT w.*,
                    (w.act = 'run' AND w.on_overlap <> 'run' AND (

@@ -552,3 +552,34 @@ async def test_a_trigger_heard_through_the_member_reloads_no_schedule(
             await s.stop()
             await task
     assert reloads == loaded
+
+
+async def test_a_change_that_waits_for_a_lock_counts_from_when_it_applies(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """A change whose UPDATE waits behind another transaction took its `since`
+    before the wait, while replicas went on with the old expression after it."""
+    handler, name = unique("h"), unique("waited")
+    s = Scheduler(pool)
+    s.job(handler)(_noop)
+    await s.add(name, "* * * * * *", handler=handler)
+    task = asyncio.create_task(s.run())
+    try:
+        await wait_for(lambda: len(rows(dsn, name)) >= 1)
+        with psycopg.connect(dsn) as holder:
+            # Conflicts with an UPDATE of the row; not with a replica's claims.
+            holder.execute("select 1 from pgcoord.schedules where name = %s for no key update",
+                           (name,))
+            change = asyncio.create_task(s.update(name, expr="*/2 * * * * *"))
+            await asyncio.sleep(2.5)
+            assert not change.done()
+            holder.rollback()
+        await change
+        await asyncio.sleep(2.2)
+    finally:
+        await s.stop()
+        await task
+    since = sql(dsn, "select since from pgcoord.schedules where name = %s", name)[0][0]
+    after = [r for r in rows(dsn, name) if r[0] > since and not r[3]]
+    assert after and all(int(r[0].timestamp()) % 2 == 0 for r in after), after
+    secs = [int(r[0].timestamp()) for r in rows(dsn, name) if r[0] <= since]
+    assert secs == list(range(secs[0], secs[-1] + 1))  # every old slot has a row
