@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-import psycopg_pool
+import asyncpg
 
 import pgcoord
 
@@ -30,11 +30,13 @@ async def main(dsn: str, name: str, count: int, member_name: str, ttl: float, dr
     if table:
         # A paused process's open fenced transaction would hold its part's row FOR
         # SHARE, and so hold up the takeover, for as long as the pause: the server
-        # ends such a transaction after a second (docs/partitions.md).
-        pool = psycopg_pool.AsyncConnectionPool(
-            dsn, min_size=2, max_size=4, open=False,
-            kwargs={"options": "-c idle_in_transaction_session_timeout=1000"})
-        await pool.open()
+        # ends such a transaction after a second (docs/partitions.md). asyncpg: with the
+        # oldest psycopg allowed (3.2.3, psycopg-pool 3.2.0) an own() cancelled inside
+        # pool.connection() / conn.transaction() was seen never to finish (the pool
+        # logging "Explicit rollback() forbidden within a Transaction context"), and
+        # own() is awaited however long it takes.
+        pool = await asyncpg.create_pool(
+            dsn, min_size=2, max_size=4, server_settings={"idle_in_transaction_session_timeout": "1000"})
 
     async def own(part: pgcoord.Partition) -> None:
         print(f"OWN {part.index} {part.fence} {time.time():.6f}", flush=True)
@@ -42,10 +44,10 @@ async def main(dsn: str, name: str, count: int, member_name: str, ttl: float, dr
             while True:
                 if pool is not None:
                     try:
-                        async with pool.connection() as conn, conn.transaction():
+                        async with pool.acquire() as conn, conn.transaction():
                             await pgcoord.check_fence(conn, part.name, part.fence)
-                            await conn.execute(f"insert into {table} (part, fence, writer) values (%s, %s, %s)",
-                                               (part.index, part.fence, member_name))
+                            await conn.execute(f"insert into {table} (part, fence, writer) values ($1, $2, $3)",
+                                               part.index, part.fence, member_name)
                     except pgcoord.StaleFence:
                         print(f"STALE {part.index} {part.fence}", flush=True)
                 await asyncio.sleep(0.02)
