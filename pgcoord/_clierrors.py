@@ -22,6 +22,7 @@ EXIT_USAGE = 2
 EXIT_CONNECT = 3
 EXIT_SCHEMA = 4
 EXIT_PRIVILEGE = 5
+EXIT_NOT_FOUND = 6
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # what a shell reports for a command that SIGPIPE ended
 
@@ -32,6 +33,7 @@ EXIT_CODES = (
     (EXIT_CONNECT, "cannot connect: refused, unknown host, no answer, login refused, no such database"),
     (EXIT_SCHEMA, "pgcoord's schema is not installed, or is at a revision this pgcoord does not know"),
     (EXIT_PRIVILEGE, "connected, but the role lacks a privilege the command needs"),
+    (EXIT_NOT_FOUND, "no such schedule (pgcoord jobs pause|resume|trigger|history NAME)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C; a --watch ends with 0)"),
     (EXIT_BROKEN_PIPE, "the reader of the output went away (as in `| head`)"),
 )

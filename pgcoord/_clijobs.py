@@ -4,6 +4,8 @@
     pgcoord jobs history NAME [--limit N]        the latest slots of NAME
     pgcoord jobs pause|resume|trigger NAME       through pgcoord.schedule_pause() etc.
 
+A NAME that names no schedule exits 6 (2 is a bad command line).
+
 ``trigger`` owes one run now: a replica that has the schedule's handler runs it
 (as a manual slot) at its next tick, or at once when it listens.
 """
@@ -16,7 +18,14 @@ import datetime as dt
 import json
 from typing import Any
 
-from ._clierrors import CONNECT_TIMEOUT, EXIT_USAGE, CliError, has_connect_timeout, libpq_dsn
+from ._clierrors import (
+    CONNECT_TIMEOUT,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    CliError,
+    has_connect_timeout,
+    libpq_dsn,
+)
 from ._errmap import schema_missing_raised
 from ._queries import query, to_pyformat
 from .schedules import RESUME_CATCH_UP, ScheduleInfo, infos
@@ -95,7 +104,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     if args.action == "trigger":
         row = _fetch_one(dsn, query("schedule_trigger"), (args.name,))
         if row is None or row[0] is None:
-            raise CliError(EXIT_USAGE, f"no schedule named {args.name!r}")
+            raise CliError(EXIT_NOT_FOUND, f"no schedule named {args.name!r}")
         _say(args, {"name": args.name, "triggered": _as_json(row[0])},
              f"{args.name}: a run is owed at {_when(row[0])}; a replica with its handler runs it")
         return 0
@@ -104,7 +113,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     else:
         row = _fetch_one(dsn, query("schedule_resume"), (args.name, args.catch_up))
     if row is None or not row[0]:
-        raise CliError(EXIT_USAGE, f"no schedule named {args.name!r}")
+        raise CliError(EXIT_NOT_FOUND, f"no schedule named {args.name!r}")
     done = "paused" if args.action == "pause" else "resumed"
     _say(args, {"name": args.name, "state": done}, f"{args.name}: {done}")
     return 0
@@ -146,7 +155,7 @@ def _history(dsn: str, name: str, limit: int, *, as_json: bool) -> int:
     text = slots_row[0]
     slots = json.loads(text) if isinstance(text, str) else text
     if not slots and json.loads(exists[1]) == []:
-        raise CliError(EXIT_USAGE, f"no schedule named {name!r}, and no slots recorded under it")
+        raise CliError(EXIT_NOT_FOUND, f"no schedule named {name!r}, and no slots recorded under it")
     if as_json:
         print(json.dumps(slots, indent=2))
         return 0

@@ -27,6 +27,7 @@ import pgcoord.migrations as migrations
 from .conftest import Server, sql
 
 USAGE, CANNOT_CONNECT, SCHEMA_MISSING, NO_PRIVILEGE = 2, 3, 4, 5
+NOT_FOUND = 6
 
 
 def _env() -> dict[str, str]:
@@ -207,6 +208,16 @@ def test_help_lists_the_exit_codes() -> None:
     for code, meaning in ((2, "usage"), (3, "cannot connect"), (4, "schema"), (5, "privilege")):
         assert any(line.split()[:1] == [str(code)] and meaning in line
                    for line in result.stdout.splitlines()), result.stdout
+
+
+def test_an_unknown_schedule_exits_6_not_as_a_usage_error(dsn: str) -> None:
+    """2 means the command line is wrong; a name that names no schedule is not."""
+    missing = f"missing:{uuid.uuid4().hex[:6]}"
+    for action in ("pause", "resume", "trigger", "history"):
+        line = one_line(pgcoord("jobs", action, missing, "--dsn", dsn), NOT_FOUND)
+        assert "no schedule named" in line and missing in line
+    assert any(line.split()[:1] == ["6"] and "no such" in line
+               for line in pgcoord("--help").stdout.splitlines())
 
 
 # -- privileges --------------------------------------------------------------------------

@@ -386,7 +386,7 @@ async def test_sql_functions_and_the_cli_pause_resume_trigger_and_show_history(
         history = json.loads(cli(dsn, "history", name, "--json").stdout)
         assert [(h["state"], h["manual"]) for h in history] == [("succeeded", True)]
         missing = cli(dsn, "pause", unique("missing"))
-        assert missing.returncode == 2 and "no schedule" in missing.stderr
+        assert missing.returncode == 6 and "no schedule" in missing.stderr
     finally:
         await s.stop()
         await task
