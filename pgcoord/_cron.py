@@ -86,13 +86,17 @@ def next_slot(expr: str, zone: ZoneInfo, after: dt.datetime) -> dt.datetime:
     raise ValueError(f"{expr!r} never fires")
 
 
-def previous_slots(expr: str, zone: ZoneInfo, until: dt.datetime, n: int) -> list[dt.datetime]:
-    """The last ``n`` instants (UTC) of ``expr`` at or before ``until``, latest first."""
+def previous_slots(expr: str, zone: ZoneInfo, until: dt.datetime, n: int, *,
+                   after: dt.datetime | None = None) -> list[dt.datetime]:
+    """The last ``n`` instants (UTC) of ``expr`` at or before ``until`` (and after
+    ``after``, if given), latest first."""
     found: list[dt.datetime] = []
     # cronsim's reverse walk starts strictly before its start: start a second later.
     start = (until + dt.timedelta(seconds=1)).replace(microsecond=0)
     for local in CronSim(expr, start.astimezone(zone), reverse=True):
         at = local.astimezone(UTC)
+        if after is not None and at <= after:
+            break
         if at <= until:
             found.append(at)
             if len(found) >= n:

@@ -300,7 +300,9 @@ class Scheduler(SlotRunner):
     async def update(self, name: str, **changes: Any) -> ScheduleInfo:
         """Change any option of ``add()`` (by keyword) of a schedule added at run time.
         A new expr or tz counts slots afresh from now; the old expression's slots
-        due before now that no replica recorded yet are recorded missed ('changed')."""
+        due before now that no replica recorded yet are decided by the schedule's
+        catch_up (those it runs are run once, late; the others recorded missed,
+        reason 'changed')."""
         return await _schedules.update(self._source, name, **changes)
 
     async def pause(self, name: str) -> None:
@@ -675,10 +677,10 @@ class Scheduler(SlotRunner):
         if row is None or row[0] is None:
             return
         by_name = {m[0].name: m[0] for m in mine}  # not self._specs: a reload may replace it
-        for job, at, attempt in zip(*row, strict=True):
+        for job, at, attempt, manual in zip(*row, strict=True):
             spec = by_name[job]
-            self._start(spec, Slot(job, as_utc(at), int(attempt), manual=True, args=spec.args),
-                        sent, runner)
+            self._start(spec, Slot(job, as_utc(at), int(attempt), manual=bool(manual),
+                                   args=spec.args), sent, runner)
 
     async def _housekeeping(self) -> None:
         """Expired claims, retention and failure alerts, each now and then; a pass

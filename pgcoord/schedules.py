@@ -4,8 +4,10 @@ call, so that a replica never meets a schedule it cannot read.
 
 Slots and changes: a slot is due under the definition in force when it comes
 due. A change of expression or zone counts slots afresh from the change; the old
-expression's slots due before it that no replica had recorded yet are recorded
-``missed`` (reason ``changed``). A paused schedule's slots are recorded
+expression's slots due before it that no replica had recorded yet (at most
+CHANGED_SLOTS_MAX, the latest) are decided by the schedule's catch_up, as a
+replica would have: those it would run are owed and run once, late; the others
+are recorded ``missed`` (reason ``changed``). A paused schedule's slots are recorded
 ``skipped`` (reason ``paused``) as they come due, so every slot still has a row;
 ``resume(catch_up="latest")`` then owes one run now if the expression fired
 during the pause (the replica that takes the owed run checks the expression).
@@ -18,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, seconds, slots_between
+from ._cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, previous_slots, seconds
 from ._drivers import run_statement
 from ._queries import query
 
@@ -31,6 +33,10 @@ RESUME_CATCH_UP = ("none", "latest")
 _OPTIONS = ("on_crash", "max_attempts", "catch_up", "deadline", "allow_overlap", "timeout")
 _UPDATABLE = ("handler", "expr", "tz", "args", *_OPTIONS)
 _UPDATE_TRIES = 5
+#: A change of expression gives a row (or an owed run) to at most this many of the old
+#: expression's unrecorded slots, the latest; older ones (a per-second schedule no
+#: replica ran for more than a day) get none.
+CHANGED_SLOTS_MAX = 100_000
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,10 @@ async def update(source: Any, name: str, **changes: Any) -> ScheduleInfo:
             # worked out to a horizon a second ahead; the change is refused (and
             # tried again) if it lands after the horizon.
             after = max(since, last) if last is not None else since
-            missed = slots_between(old_expr, check_zone(old_tz), after, horizon)
+            # Walked back from the horizon: the latest ones are those catch_up
+            # decides on, and a backlog beyond the bound costs no walk over it.
+            missed = previous_slots(old_expr, check_zone(old_tz), horizon, CHANGED_SLOTS_MAX,
+                                    after=after)[::-1]
         done = await run_statement(source, query("schedule_update"), (
             name, json.dumps(payload), version, horizon, missed))
         if done is not None and done[0] is not None:

@@ -43,6 +43,9 @@ CREATE TABLE pgcoord.schedule_owed (
     at         timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     slot_after timestamptz,
     slot_until timestamptz,
+    -- false: a scheduled slot owed by a change of expression (see schedule_update),
+    -- run as that slot rather than as a manual run.
+    manual     boolean NOT NULL DEFAULT true,
     PRIMARY KEY (name, at)
 );
 
@@ -208,9 +211,13 @@ CREATE FUNCTION pgcoord.schedule_add(
 -- Change a schedule, optimistically: only while it is still at expected_version
 -- (NULL: whatever it is) and the clock has not passed horizon (NULL: no limit).
 -- A change of expr or tz starts counting slots afresh from now; the old
--- expression's slots due before now that nobody recorded (`missed`, worked out by
--- the caller up to horizon) are recorded missed, reason 'changed', so that every
--- slot still ends with a row. Keys of `changes` not given keep their value.
+-- expression's slots due before now that nobody recorded (`missed`, worked out
+-- by the caller up to horizon) are decided here by the schedule's catch_up and
+-- deadline, as a replica would have: those it would run are owed as scheduled
+-- slots (a replica runs each once, late), the others recorded missed, reason
+-- 'changed'; so every slot still ends with a row, and a change made just after
+-- a slot came due does not cost that run. (Paused: all missed.) Keys of
+-- `changes` not given keep their value.
 CREATE FUNCTION pgcoord.schedule_update(
     schedule_name text, changes jsonb, expected_version bigint DEFAULT NULL,
     horizon timestamptz DEFAULT NULL, missed timestamptz[] DEFAULT '{}'
@@ -220,6 +227,9 @@ CREATE FUNCTION pgcoord.schedule_update(
     DECLARE
         now_ timestamptz;
         new_version bigint;
+        now_catch_up text;
+        now_deadline double precision;
+        now_paused boolean;
     BEGIN
         -- Lock first, then read the clock: a change that waits (for another
         -- change, or for claims being decided under the old version, which hold
@@ -245,14 +255,31 @@ CREATE FUNCTION pgcoord.schedule_update(
                            OR (changes ? 'tz' AND changes->>'tz' <> s.tz)
                          THEN now_ ELSE s.since END
          WHERE s.name = schedule_name AND (expected_version IS NULL OR s.version = expected_version)
-        RETURNING s.version INTO new_version;
+        RETURNING s.version, s.catch_up, s.deadline, s.paused
+        INTO new_version, now_catch_up, now_deadline, now_paused;
         IF new_version IS NULL THEN
             RETURN NULL;
         END IF;
+        INSERT INTO pgcoord.schedule_owed (name, at, manual)
+        SELECT schedule_name, d.m, false
+        FROM (SELECT m, pg_catalog.row_number() OVER (ORDER BY m DESC) AS latest,
+                     pg_catalog.date_part('epoch', now_ - m) AS late
+              FROM pg_catalog.unnest(missed) AS m WHERE m <= now_) AS d
+        WHERE NOT now_paused
+          AND CASE now_catch_up
+                  WHEN 'all' THEN d.late <= coalesce(now_deadline, 'infinity')
+                  WHEN 'latest' THEN d.latest = 1 AND d.late <= coalesce(now_deadline, 'infinity')
+                  ELSE d.late <= coalesce(now_deadline, 2.0)
+              END
+          AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
+                          WHERE j.job = schedule_name AND j.slot_at = d.m)
+        ON CONFLICT DO NOTHING;
         INSERT INTO pgcoord.job_slots (job, slot_at, state, reason, finished_at)
         SELECT schedule_name, m, 'missed', 'changed', now_
         FROM pg_catalog.unnest(missed) AS m
         WHERE m <= now_
+          AND NOT EXISTS (SELECT 1 FROM pgcoord.schedule_owed AS o
+                          WHERE o.name = schedule_name AND o.at = m AND NOT o.manual)
         ON CONFLICT (job, slot_at) DO NOTHING;
         RETURN new_version;
     END
@@ -446,7 +473,7 @@ RETURNS integer
 -- pause had no slot, which the replica worked out; the row is only dropped).
 CREATE FUNCTION pgcoord.schedule_take_owed(
     jobs text[], ats timestamptz[], runs boolean[], claim_ms bigint[], job_runner text
-) RETURNS TABLE (job text, slot_at timestamptz, attempt integer)
+) RETURNS TABLE (job text, slot_at timestamptz, attempt integer, manual boolean)
     LANGUAGE sql
     AS $body$
         WITH u AS (
@@ -458,17 +485,17 @@ CREATE FUNCTION pgcoord.schedule_take_owed(
             WHERE (o.name, o.at) IN (SELECT x.name, x.at FROM pgcoord.schedule_owed AS x
                                      JOIN u ON u.job = x.name AND u.at = x.at
                                      FOR UPDATE OF x SKIP LOCKED)
-            RETURNING o.name, o.at
+            RETURNING o.name, o.at, o.manual
         )
         INSERT INTO pgcoord.job_slots AS s
             (job, slot_at, manual, state, attempt, runner, started_at, claim_expires_at)
-        SELECT t.name, t.at, true, 'running', 1, job_runner, pg_catalog.clock_timestamp(),
+        SELECT t.name, t.at, t.manual, 'running', 1, job_runner, pg_catalog.clock_timestamp(),
                pg_catalog.clock_timestamp() + u.claim_ms * interval '1 millisecond'
         FROM taken AS t
         JOIN u ON u.job = t.name AND u.at = t.at
         WHERE u.run
         ON CONFLICT (job, slot_at) DO NOTHING
-        RETURNING s.job, s.slot_at, s.attempt
+        RETURNING s.job, s.slot_at, s.attempt, s.manual
     $body$;
 
 -- Record the ends of many runs at once (job_finish for each entry, in order): a

@@ -63,7 +63,8 @@ FROM pgcoord.schedule_recover(CAST($1 AS text[]), CAST($2 AS bigint[]), CAST($3 
                               CAST($4 AS integer[]), $5) AS r
 
 -- name: schedule_take_owed
-SELECT pg_catalog.array_agg(t.job), pg_catalog.array_agg(t.slot_at), pg_catalog.array_agg(t.attempt)
+SELECT pg_catalog.array_agg(t.job), pg_catalog.array_agg(t.slot_at), pg_catalog.array_agg(t.attempt),
+       pg_catalog.array_agg(t.manual)
 FROM pgcoord.schedule_take_owed(CAST($1 AS text[]), CAST($2 AS timestamptz[]),
                                 CAST($3 AS boolean[]), CAST($4 AS bigint[]), $5) AS t
 

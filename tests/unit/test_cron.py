@@ -93,3 +93,10 @@ def test_bad_definitions_are_value_errors() -> None:
             check_expr(expr, UTC)
     with pytest.raises(ValueError):
         check_expr(None, UTC)
+
+
+def test_previous_slots_stop_at_after() -> None:
+    zone = ZoneInfo("UTC")
+    until = dt.datetime(2026, 1, 1, 0, 0, 10, tzinfo=dt.UTC)
+    found = previous_slots("* * * * * *", zone, until, 100_000, after=until - dt.timedelta(seconds=3))
+    assert found == [until - dt.timedelta(seconds=k) for k in range(3)]
