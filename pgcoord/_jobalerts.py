@@ -2,7 +2,10 @@
 
 Expected slots are worked out from the schedule's expression, not read from
 job_slots, so a schedule whose slots are missed, or that no replica runs at
-all, counts as failing just as one whose runs raise.
+all, counts as failing just as one whose runs raise. Every replica judges every
+schedule not paused (it cannot know which handlers the others register), from
+its creation, last change of expression or last resume: the slots of a pause
+are not failures.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from collections import Counter
 from typing import Any
 
 from . import metrics
-from ._cron import Job, previous_slots
+from ._cron import check_expr, check_zone, previous_slots
 from ._drivers import run_statement
+from ._jobrun import as_utc
 from ._queries import query
 
 log = logging.getLogger("pgcoord.scheduler")
@@ -28,27 +32,37 @@ class FailingWatch:
         self.expected = expected
         self.failing: dict[str, str] = {}  # name -> handler
 
-    async def check(self, source: Any, specs: list[Job], now: dt.datetime) -> list[str]:
+    async def check(self, source: Any) -> list[str]:
+        row = await run_statement(source, query("schedule_watch"), ())
+        assert row is not None
+        now = as_utc(row[0])
+        watched = [] if row[1] is None else list(zip(*row[1:], strict=True))
         names: list[str] = []
         firsts: list[dt.datetime] = []
         # Per expression, not per schedule: thousands of tenants' schedules share a
         # few, and each walk back over one costs tens of microseconds.
         walked: dict[tuple[str, str], list[dt.datetime]] = {}
-        for spec in specs:
-            key = (spec.expr, spec.tz.key)
+        for name, _, expr, tz, since in watched:
+            key = (expr, tz)
             last_k = walked.get(key)
             if last_k is None:
-                last_k = walked[key] = previous_slots(spec.expr, spec.tz, now, self.expected)
-            # Only schedules old enough to have had K slots are judged.
-            if len(last_k) == self.expected and spec.registered_at is not None \
-                    and last_k[-1] > spec.registered_at:
-                names.append(spec.name)
+                try:
+                    zone = check_zone(tz)
+                    check_expr(expr, zone)
+                    last_k = previous_slots(expr, zone, now, self.expected)
+                except ValueError:  # a row written by hand that no replica can read
+                    last_k = []
+                walked[key] = last_k
+            # Only schedules old enough (since the last start of counting) to have
+            # had K slots are judged.
+            if len(last_k) == self.expected and last_k[-1] > as_utc(since):
+                names.append(name)
                 firsts.append(last_k[-1])
         found: list[str] = []
         if names:
-            row = await run_statement(source, query("schedule_failing"), (names, firsts))
-            found = sorted(row[0] or []) if row is not None else []
-        handlers = {spec.name: spec.handler or spec.name for spec in specs}
+            failing = await run_statement(source, query("schedule_failing"), (names, firsts))
+            found = sorted(failing[0] or []) if failing is not None else []
+        handlers = {name: handler for name, handler, *_ in watched}
         for name in found:
             if name not in self.failing:
                 self.failing[name] = handlers[name]

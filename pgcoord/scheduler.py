@@ -740,18 +740,13 @@ class Scheduler(SlotRunner):
         return await self._prune([self._job(job)], batch=batch)
 
     async def check_failing(self) -> list[str]:
-        """The schedules run here (not paused) with no success in their last
-        ``alert_after`` expected slots — failed, abandoned, missed or never run.
-        Each is logged (a warning when it starts failing, info when it recovers) and
-        counted in the gauge ``pgcoord_jobs_failing{handler}``. The loop calls this
-        every minute."""
-        if self._epoch is None:
-            await self._reload()  # called outside run()
-        row = await run_statement(self._source, query("schedule_tick"), ())
-        assert row is not None
-        now = as_utc(row[0])
-        watched = [s for s in self._specs.values() if not s.paused]
-        return await self._alerts.check(self._source, watched, now)
+        """The schedules (not paused; whoever runs them, so one whose handler no
+        replica registers counts) with no success in their last ``alert_after``
+        expected slots since they were added, re-expressed or resumed — failed,
+        abandoned, missed or never run. Each is logged (a warning when it starts
+        failing, info when it recovers) and counted in the gauge
+        ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
+        return await self._alerts.check(self._source)
 
     # -- running slots ---------------------------------------------------------------------
 

@@ -71,6 +71,18 @@ FROM pgcoord.schedule_take_owed(CAST($1 AS text[]), CAST($2 AS timestamptz[]),
 -- name: schedule_prune
 SELECT pgcoord.schedule_prune(CAST($1 AS text[]), CAST($2 AS bigint[]), $3)
 
+-- name: schedule_watch
+-- Every schedule not paused, whoever runs it (a schedule whose handler no replica
+-- registers is failing too), for the failing-job alert, column by column: slots
+-- count from its creation or last change of expression, or from its last resume
+-- (the pause's slots were skipped, not failed).
+SELECT pg_catalog.clock_timestamp(), pg_catalog.array_agg(s.name ORDER BY s.name),
+       pg_catalog.array_agg(s.handler ORDER BY s.name), pg_catalog.array_agg(s.expr ORDER BY s.name),
+       pg_catalog.array_agg(s.tz ORDER BY s.name),
+       pg_catalog.array_agg(GREATEST(s.since, s.resumed_at) ORDER BY s.name)
+FROM pgcoord.schedules AS s
+WHERE NOT s.paused
+
 -- name: schedule_failing
 -- Of the given schedules, those with no success (and no run going) in a slot at
 -- or after the given instant: the first of their last K expected slots.

@@ -301,7 +301,8 @@ async def test_a_schedule_that_keeps_failing_is_logged_and_counted(
         await task
     assert failing in found and fine not in found
     events = [r for r in caplog.records if getattr(r, "pgcoord", {}).get("event") == "job_failing"]
-    assert [e.pgcoord["name"] for e in events] == [failing]  # type: ignore[attr-defined]
+    names = [e.pgcoord["name"] for e in events]  # type: ignore[attr-defined]
+    assert failing in names and fine not in names
     info = {i.name: i for i in await s.schedules()}
     assert info[failing].failures_in_row >= 3 and info[fine].failures_in_row == 0
     import prometheus_client
@@ -607,3 +608,19 @@ async def test_a_change_records_every_unrecorded_old_slot_not_only_the_first_200
     # second or two run late).
     assert found[0] + owed >= 3599 and owed <= 3
     assert found[1] <= start + dt.timedelta(seconds=5)
+
+
+async def test_failing_alerts_judge_schedules_no_replica_runs_and_not_a_pause(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """A schedule whose handler no replica registers is failing silently; a
+    schedule just resumed had no success in its pause's slots, and is not."""
+    handler, orphan, resumed = unique("h"), unique("orphan"), unique("resumed")
+    s = Scheduler(pool, alert_after=3)
+    s.job(handler)(_noop)
+    await s.add(orphan, "* * * * * *", handler=unique("nobody-has-it"))
+    await s.add(resumed, "* * * * * *", handler=handler, paused=True)
+    await asyncio.sleep(3.5)
+    await s.resume(resumed)
+    found = await s.check_failing()
+    assert orphan in found
+    assert resumed not in found
