@@ -24,6 +24,9 @@ failures it must survive, deterministically:
   as in a long GC pause or a SIGSTOP; ``pause_past_ttl(obj)`` pauses just past the
   ttl of an ``Elector`` or ``Member``, long enough for the server to end its
   silent session and for another replica to take over.
+* ``await run_slot(sched, job, at)``: run slot ``at`` of ``job`` (a due or past
+  instant of its schedule) now, on this replica, exactly as the scheduler would:
+  claimed in ``pgcoord.job_slots``, run, recorded; returns the ``Slot``.
 * ``await wait_until(predicate, within)``: poll a condition, for asserting
   what your code did afterwards.
 """
@@ -51,6 +54,7 @@ __all__ = [
     "pgcoord_dsn",
     "pgcoord_server",
     "release_leadership",
+    "run_slot",
     "take_leadership",
     "wait_until",
 ]
@@ -198,6 +202,19 @@ def pause_past_ttl(obj: Any, *, factor: float = 1.2) -> float:
     seconds = float(ttl) * factor
     pause(seconds)
     return seconds
+
+
+async def run_slot(sched: Any, job: str, at: Any) -> Any:
+    """Run slot ``at`` (an aware datetime, due or past, an instant of the schedule) of
+    ``job`` now on ``sched``: claimed, run and recorded as the scheduler does, once
+    (``backfill`` of that one instant). ``ValueError`` when ``at`` is not one of the
+    schedule's instants or already has a row (it ran, or was recorded missed or
+    skipped: look at ``pgcoord.job_slots``)."""
+    ran = await sched.backfill(job, at, at)
+    if not ran:
+        raise ValueError(f"slot {at.isoformat()} of {job!r} did not run: it is not an instant of "
+                         "the schedule, or it already has a row in pgcoord.job_slots")
+    return ran[0]
 
 
 async def wait_until(predicate: Callable[[], Any | Awaitable[Any]], within: float = 5.0,

@@ -110,3 +110,31 @@ async def test_the_fenced_leader_example_takes_over_from_a_paused_leader(pgcoord
         await elector.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await runner
+
+
+async def test_run_slot_runs_a_given_slot_once_as_the_scheduler_would(pgcoord_dsn: str) -> None:
+    import datetime as dt
+
+    import asyncpg
+
+    pool = await asyncpg.create_pool(pgcoord_dsn, min_size=1, max_size=3)
+    try:
+        sched = pgcoord.Scheduler(pool)
+        seen: list[tuple[dt.datetime, bool]] = []
+
+        @sched.cron("report", "0 3 * * *", tz="Europe/Paris")
+        async def report(slot: pgcoord.Slot) -> None:
+            seen.append((slot.at, slot.manual))
+
+        at = dt.datetime(2026, 10, 25, 2, 0, tzinfo=dt.UTC)  # 03:00 in Paris, the day DST ends
+        slot = await testing.run_slot(sched, "report", at)
+        assert slot.at == at and [s for s, _m in seen] == [at]
+        state = await pool.fetchval("select state from pgcoord.job_slots where job = 'report' and slot_at = $1", at)
+        assert state == "succeeded"
+        with pytest.raises(ValueError, match="already has a row"):
+            await testing.run_slot(sched, "report", at)  # once
+        with pytest.raises(ValueError):
+            await testing.run_slot(sched, "report", at + dt.timedelta(minutes=1))  # not an instant
+        assert len(seen) == 1
+    finally:
+        await pool.close()
