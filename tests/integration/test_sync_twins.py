@@ -82,16 +82,18 @@ def test_sync_lock_holder_excludes_and_tells_a_block_its_lock_is_lost(dsn: str) 
 
 
 @pytest.mark.slow
-def test_sync_electors_in_processes_fail_over_when_the_leader_is_killed(dsn: str) -> None:
-    """Two processes lead with pgcoord.sync.Elector (ttl 30 s): the leader is SIGKILLed,
-    the other leads within a second (its session's end, not the ttl), fence greater."""
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_electors_in_processes_fail_over_when_the_leader_is_killed(dsn: str, mode: str) -> None:
+    """The same test for pgcoord.Elector and its twin: two processes (ttl 30 s); the
+    leader is SIGKILLed; the other leads within a second (its session's end, not the
+    ttl), with a greater fence."""
     lease = name("sync-duty")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs: list[subprocess.Popen[str]] = []
     lines: list[list[str]] = []
     try:
         for _ in range(2):
-            proc = subprocess.Popen([sys.executable, REPLICA, dsn, lease, "30"], stdout=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, REPLICA, dsn, lease, "30", mode], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=env)
             out: list[str] = []
             threading.Thread(target=lambda p=proc, o=out: [o.append(ln.strip()) for ln in p.stdout],  # type: ignore[union-attr, misc]
@@ -202,3 +204,37 @@ def test_sync_twins_refuse_what_they_cannot_run(dsn: str) -> None:
                 pass
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_lock_lost_with_its_session_stops_the_body_and_raises_lock_lost(dsn: str, mode: str) -> None:
+    """The same guarantee for LockHolder and its twin: the body learns at once that its
+    session is gone (async: cancelled; sync: told), and leaving raises LockLost."""
+    import asyncio
+
+    key = name("lost")
+    stopped: list[float] = []
+    started = time.monotonic()
+    if mode == "async":
+        async def scenario() -> None:
+            async with pgcoord.LockHolder(dsn) as holder:
+                with pytest.raises(pgcoord.LockLost):
+                    async with holder.lock(key):
+                        await asyncio.to_thread(sql, dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
+                        try:
+                            await asyncio.sleep(30)
+                        finally:
+                            stopped.append(time.monotonic())
+
+        asyncio.run(scenario())
+    else:
+        with pgcoord.sync.LockHolder(dsn) as holder:
+            with pytest.raises(pgcoord.LockLost):
+                with holder.lock(key) as held:
+                    sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
+                    deadline = time.monotonic() + 30
+                    while not held.lost and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    stopped.append(time.monotonic())
+    assert stopped and stopped[0] - started < 5
+    assert [lock for lock in advisory_locks(dsn) if lock[1] == pgcoord.lock_key(key)] == []
