@@ -396,6 +396,13 @@ class Scheduler(SlotRunner):
             for run in list(self._running.values()):
                 if run.runner.endswith(suffix) and run.body is not None:
                     self._lose(run, run.body, "the member's session, which the claim is tied to, ended")
+            # A change notified while the session is away is lost: tick (and read
+            # the change counter) as soon as the member listens again, not at the
+            # next tick, which may be `tick` seconds away.
+            task = asyncio.ensure_future(self._wake_when_rejoined(member, old_id))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(consume_result)
 
         unhook_left = member.on_member_left(on_left)
         unhook_lost = member.on_session_lost(on_session_lost)
@@ -409,6 +416,14 @@ class Scheduler(SlotRunner):
                 task.cancel()
 
         return unhook
+
+    async def _wake_when_rejoined(self, member: Member, old_id: int) -> None:
+        while True:
+            await member.wait_joined()  # set again after the new session's LISTENs
+            if member.id is not None and member.id != old_id:
+                break
+            await asyncio.sleep(0.05)  # still the old session's flag: not cleared yet
+        self._wake.set()
 
     async def _listen(self) -> None:
         """With a member, hear of schedule changes at once (NOTIFY on its session);

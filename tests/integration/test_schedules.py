@@ -624,3 +624,33 @@ async def test_failing_alerts_judge_schedules_no_replica_runs_and_not_a_pause(
     found = await s.check_failing()
     assert orphan in found
     assert resumed not in found
+
+
+async def test_a_change_made_while_the_members_session_is_away_is_seen_when_it_is_back(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """The notification of a change made while the member's session is gone is
+    lost; with a 30 s tick the loop would not look for 30 s."""
+    handler, name = unique("h"), unique("while-away")
+    ran: list[Slot] = []
+    async with pgcoord.Member(dsn, group=unique("away"), ttl=3) as member:
+        s = Scheduler(pool, member=member, tick=30)
+
+        @s.job(handler)
+        async def work(slot: Slot) -> None:
+            ran.append(slot)
+
+        def add_while_away(_old_id: int) -> None:
+            # The old session is gone and the new one not LISTENing yet.
+            sql(dsn, "select pgcoord.schedule_add(%s, %s, '* * * * * *', 'UTC', '{}', '{}')",
+                name, handler)
+
+        task = asyncio.create_task(s.run())
+        try:
+            await asyncio.sleep(0.5)
+            unhook = member.on_session_lost(add_while_away)
+            sql(dsn, "select pg_terminate_backend(%s)", member._main.backend_pid)
+            await wait_for(lambda: any(r.job == name for r in ran), within=8)
+            unhook()
+        finally:
+            await s.stop()
+            await task
