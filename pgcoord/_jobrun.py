@@ -125,6 +125,8 @@ class SlotRunner:
         the slot stopped and is raised again."""
         run.started = True
         slot = run.slot
+        began = time.monotonic()
+        metrics.slot_started(run.spec.name, slot.at.isoformat(), slot.attempt, run.runner)
         body = run.body = asyncio.create_task(self._body(run), name=f"pgcoord-job-body:{slot.key}")
         heartbeat = asyncio.create_task(self._heartbeat(run, body), name=f"pgcoord-job-claim:{slot.key}")
         cancelled = False
@@ -141,8 +143,17 @@ class SlotRunner:
             if not body.done():  # cancelled twice while the body was stopping: leave it
                 body.add_done_callback(consume_result)
         outcome, reason, error = self._outcome(run, body, cancelled)
-        if outcome is not None:
-            await self._record(run, outcome, error, reason)
+        recorded: str | None = None
+        try:
+            if outcome is not None:
+                recorded = await self._record(run, outcome, error, reason)
+            elif body.done() and not body.cancelled() and body.exception() is None and body.result():
+                recorded = "succeeded"  # a transactional run recorded itself
+        finally:
+            # The run's span ends whatever happened: 'unrecorded' when this replica
+            # recorded nothing (cut off, taken over, left for a retry elsewhere).
+            metrics.slot_finished(run.spec.name, slot.at.isoformat(), recorded or "unrecorded",
+                                  time.monotonic() - began, run.spec.handler or run.spec.name)
         if cancelled:
             raise asyncio.CancelledError
 
@@ -183,13 +194,14 @@ class SlotRunner:
         return "succeeded", None, None
 
     async def _record(self, run: Run, outcome: str, error: str | None,
-                      reason: str | None = None) -> None:
+                      reason: str | None = None) -> str | None:
         """Record a run's end, bounded: a record that cannot finish in time (a row lock,
-        a server that does not answer) is abandoned and the claim left to expire."""
+        a server that does not answer) is abandoned and the claim left to expire.
+        Returns the state recorded, or None if none was."""
         spec, slot = run.spec, run.slot
         if outcome == "stopped":
             if spec.on_crash == "retry":
-                return  # the claim expires and another replica retries it
+                return None  # the claim expires and another replica retries it
             outcome, reason = "abandoned", "stopped"
         try:
             # Past the bound the statement is cancelled in its own task (which
@@ -201,13 +213,15 @@ class SlotRunner:
         except CleanupTimeout:
             log.warning("job %r slot %s: recording %s took longer than %.0f s and was abandoned;"
                         " the claim expires", spec.name, slot.at, outcome, CLEANUP_TIMEOUT)
-            return
+            return None
         except Exception as exc:
             log.warning("job %r slot %s: could not record %s: %r", spec.name, slot.at, outcome, exc)
-            return
+            return None
         if not recorded:
             log.warning("job %r slot %s attempt %d was taken over; its %s is not recorded",
                         spec.name, slot.at, slot.attempt, outcome)
+            return None
+        return outcome
 
     async def _run_transactional(self, run: Run) -> bool:
         """Run the job and record success in one transaction."""

@@ -109,3 +109,34 @@ async def test_a_leadership_term_is_a_span_and_lost_locks_are_counted(dsn: str, 
                 await asyncio.sleep(5)
     lost = [p for p in points(reader, "pgcoord.locks.lost") if p.attributes["pgcoord.name"] == lost_name]
     assert lost and lost[0].value == 1
+
+
+async def test_a_slot_run_is_a_span_with_its_outcome(dsn: str, otel: Any) -> None:
+    exporter, reader = otel
+    ok, broken, handler = unique("otel-ok"), unique("otel-broken"), unique("otel-h")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
+    try:
+        sched = pgcoord.Scheduler(pool)
+
+        @sched.job(handler)
+        async def work(slot: pgcoord.Slot) -> None:
+            if slot.args.get("fail"):
+                raise RuntimeError("broken")
+
+        await sched.add(ok, "0 0 1 1 *", handler=handler)
+        await sched.add(broken, "0 0 1 1 *", handler=handler, args={"fail": True})
+        good = await sched.trigger(ok)
+        bad = await sched.trigger(broken)
+    finally:
+        await pool.close()
+    runs = {s.attributes["pgcoord.job"]: s for s in exporter.get_finished_spans()
+            if s.name == "pgcoord.slot.run" and s.attributes["pgcoord.job"] in (ok, broken)}
+    assert runs[ok].attributes["pgcoord.outcome"] == "succeeded"
+    assert runs[ok].attributes["pgcoord.slot"] == good.at.isoformat()
+    assert runs[ok].attributes["pgcoord.attempt"] == 1
+    assert runs[broken].attributes["pgcoord.outcome"] == "failed"
+    assert runs[broken].attributes["pgcoord.slot"] == bad.at.isoformat()
+    assert not runs[broken].status.is_ok
+    durations = [p for p in points(reader, "pgcoord.slot.run")
+                 if p.attributes["pgcoord.handler"] == handler]
+    assert sorted(p.attributes["pgcoord.outcome"] for p in durations) == ["failed", "succeeded"]
