@@ -1,7 +1,8 @@
-"""``pgcoord.testing``: a pytest plugin for code that uses pgcoord.
+"""``pgcoord.testing``: make code that uses pgcoord face its failures in tests.
 
-Installed with pgcoord (entry point ``pytest11``), it costs nothing until a test
-asks for one of its fixtures:
+With ``pgcoord[testing]`` installed, pytest loads pgcoord's plugin (entry point
+``pytest11``, module ``pgcoord_pytest``, which imports nothing until a test asks
+for one of its fixtures):
 
 * ``pgcoord_dsn``: the URL of a throwaway database with pgcoord's schema installed,
   one per test (made from a template, so each costs a ``CREATE DATABASE``). The
@@ -35,97 +36,25 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
-
-import pytest
 
 from ._holderconn import DsnSource
 from ._queries import query
 
 __all__ = [
+    "OUTSIDER",
     "lose_session",
     "pause",
     "pause_past_ttl",
-    "pgcoord_dsn",
-    "pgcoord_server",
     "release_leadership",
     "run_slot",
     "take_leadership",
     "wait_until",
 ]
 
-ENV_DSN = "PGCOORD_TEST_DSN"
 OUTSIDER = "pgcoord.testing"
-
-
-def _params(url: str) -> dict[str, str]:
-    parts = urlsplit(url)
-    return {
-        "host": parts.hostname or "127.0.0.1", "port": str(parts.port or 5432),
-        "user": unquote(parts.username or "postgres"), "password": unquote(parts.password or ""),
-    }
-
-
-def _url(params: dict[str, str], dbname: str) -> str:
-    auth = params["user"] + (f":{params['password']}" if params.get("password") else "")
-    return f"postgresql://{auth}@{params['host']}:{params['port']}/{dbname}"
-
-
-def _janitor(params: dict[str, str], dbname: str, template: str | None = None) -> Any:
-    try:
-        from pytest_postgresql.janitor import DatabaseJanitor
-    except ImportError as exc:  # pragma: no cover - depends on the user's environment
-        raise RuntimeError("pgcoord_dsn needs pytest-postgresql and psycopg: "
-                           "pip install 'pgcoord[testing]'") from exc
-    return DatabaseJanitor(user=params["user"], host=params["host"], port=params["port"],
-                           password=params.get("password") or None, dbname=dbname,
-                           template_dbname=template)
-
-
-@pytest.fixture(scope="session")
-def pgcoord_server() -> Iterator[dict[str, str]]:
-    """Connection parameters (host, port, user, password) of the test server."""
-    if external := os.environ.get(ENV_DSN):
-        yield _params(external)
-        return
-    from ._embedded import EmbeddedServer
-
-    server = EmbeddedServer().start()
-    try:
-        yield {"host": "127.0.0.1", "port": str(server.port), "user": "postgres", "password": ""}
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="session")
-def _pgcoord_template(pgcoord_server: dict[str, str]) -> Iterator[str]:
-    import pgcoord.migrations
-
-    name = f"pgcoord_template_{uuid.uuid4().hex[:8]}"
-    janitor = _janitor(pgcoord_server, name)
-    janitor.init()
-    try:
-        pgcoord.migrations.upgrade(_url(pgcoord_server, name))
-        yield name
-    finally:
-        janitor.drop()
-
-
-@pytest.fixture
-def pgcoord_dsn(pgcoord_server: dict[str, str], _pgcoord_template: str) -> Iterator[str]:
-    """A database of this test's own with pgcoord's schema at head; dropped after."""
-    name = f"pgcoord_{uuid.uuid4().hex[:10]}"
-    janitor = _janitor(pgcoord_server, name, template=_pgcoord_template)
-    janitor.init()
-    try:
-        yield _url(pgcoord_server, name)
-    finally:
-        janitor.drop()
 
 
 # -- failures on demand -------------------------------------------------------------------
@@ -153,11 +82,19 @@ async def release_leadership(dsn: str, name: str, *, holder: str = OUTSIDER) -> 
     return bool(await _run(dsn, "testing_release_lease", name, holder))
 
 
+def _unwrap(obj: Any) -> Any:
+    """The async object behind a ``pgcoord.sync`` twin (the object itself otherwise)."""
+    from .sync._twins import _Twin
+
+    return obj._async if isinstance(obj, _Twin) else obj
+
+
 def _backend_pid(obj: Any) -> int:
     from .elector import Elector
     from .member import Member
     from .session import LockHolder
 
+    obj = _unwrap(obj)
     pid: Any = None
     if isinstance(obj, Member):
         main = obj._main
@@ -171,7 +108,8 @@ def _backend_pid(obj: Any) -> int:
     elif isinstance(obj, LockHolder):
         pid = obj.backend_pid
     else:
-        raise TypeError(f"lose_session takes an Elector, a Member or a LockHolder, not {type(obj).__name__}")
+        raise TypeError("lose_session takes an Elector, a Member or a LockHolder (or their "
+                        f"pgcoord.sync twins), not {type(obj).__name__}")
     if not isinstance(pid, int):
         raise RuntimeError(f"{type(obj).__name__} has no session right now (not started, or reconnecting)")
     return pid
@@ -186,31 +124,50 @@ async def lose_session(dsn: str, obj: Any) -> int:
 
 
 def pause(seconds: float) -> None:
-    """Stop this whole process for ``seconds``, event loop included (a long GC pause,
-    a SIGSTOP): nothing of it runs meanwhile, while the server and other
-    processes go on. Call it from the event loop's thread to pause your electors."""
+    """Stop this whole process for ``seconds`` (a long GC pause, a SIGSTOP): this
+    thread, and the event loop on which ``pgcoord.sync`` twins run if they do.
+    Nothing of it runs meanwhile, while the server and other processes go on. Call
+    it from the event loop's thread to pause your async electors too."""
+    from .sync import _portal
+
+    portal = _portal._portal
+    if portal is not None and not portal.on_loop():
+        portal.soon(time.sleep, seconds)
     time.sleep(seconds)
 
 
 def pause_past_ttl(obj: Any, *, factor: float = 1.2) -> float:
-    """``pause`` for ``factor`` x the ttl of an ``Elector`` or ``Member``: long enough
-    for the server to end a silent session (0.9 x ttl) and for a lease to expire.
-    Returns the seconds paused."""
-    ttl = getattr(obj, "ttl", None)
-    if not isinstance(ttl, int | float):
+    """``pause`` long enough for the server to end the silent session of an ``Elector``
+    or ``Member`` (or a twin) and for its lease to expire: ``factor`` x the longer of
+    its ttl and, for an elector on a member, 0.9 x the member's ttl (the member's
+    ``idle_session_timeout``). Returns the seconds paused."""
+    from .elector import Elector
+    from .member import Member
+
+    inner = _unwrap(obj)
+    if not isinstance(inner, Elector | Member):
         raise TypeError(f"pause_past_ttl takes an Elector or a Member, not {type(obj).__name__}")
-    seconds = float(ttl) * factor
+    ttl = float(inner.ttl)
+    member = inner._member if isinstance(inner, Elector) else inner
+    if member is not None:
+        ttl = max(ttl, member.ttl * 0.9)
+    seconds = ttl * factor
     pause(seconds)
     return seconds
 
 
 async def run_slot(sched: Any, job: str, at: Any) -> Any:
     """Run slot ``at`` (an aware datetime, due or past, an instant of the schedule) of
-    ``job`` now on ``sched``: claimed, run and recorded as the scheduler does, once
-    (``backfill`` of that one instant). ``ValueError`` when ``at`` is not one of the
-    schedule's instants or already has a row (it ran, or was recorded missed or
-    skipped: look at ``pgcoord.job_slots``)."""
-    ran = await sched.backfill(job, at, at)
+    ``job`` now on ``sched`` (a ``Scheduler`` or its sync twin): claimed, run and
+    recorded as the scheduler does, once (``backfill`` of that one instant).
+    ``ValueError`` when ``at`` is not one of the schedule's instants or already has a
+    row (it ran, or was recorded missed or skipped: look at ``pgcoord.job_slots``)."""
+    from .sync._twins import _Twin
+
+    if isinstance(sched, _Twin):
+        ran = await asyncio.to_thread(sched.backfill, job, at, at)
+    else:
+        ran = await sched.backfill(job, at, at)
     if not ran:
         raise ValueError(f"slot {at.isoformat()} of {job!r} did not run: it is not an instant of "
                          "the schedule, or it already has a row in pgcoord.job_slots")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -138,3 +139,30 @@ async def test_run_slot_runs_a_given_slot_once_as_the_scheduler_would(pgcoord_ds
         assert len(seen) == 1
     finally:
         await pool.close()
+
+
+def test_the_plugin_loads_by_its_entry_point_in_a_project_of_its_own(pg_server: Any, tmp_path: Path) -> None:
+    """A user's project: no conftest, nothing imported by hand. pytest finds the
+    fixture through the entry point, and PGCOORD_TEST_DSN points it at a server."""
+    (tmp_path / "test_user.py").write_text(
+        "def test_uses_the_fixture(pgcoord_dsn):\n"
+        "    import psycopg\n"
+        "    with psycopg.connect(pgcoord_dsn) as conn:\n"
+        "        assert conn.execute('select count(*) from pgcoord.leases').fetchone() == (0,)\n"
+        "    import sys\n"
+        "    assert 'pgcoord_pytest' in sys.modules\n")
+    env = {**os.environ, "PGCOORD_TEST_DSN": pg_server.dsn("postgres")}
+    env.pop("PYTEST_ADDOPTS", None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
+
+
+def test_loading_the_plugin_imports_nothing_of_pgcoord() -> None:
+    code = ("import sys, pgcoord_pytest; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('pgcoord', 'psycopg', 'asyncpg', 'sqlalchemy', 'pytest_postgresql')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
