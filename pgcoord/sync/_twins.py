@@ -12,13 +12,13 @@ import functools
 import inspect
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ._bridge import Held, Term, async_source, blocking, open_async_source
 from ._portal import Portal, portal
 
-__all__ = ["Elector", "Lease", "LockHolder", "Member", "Scheduler"]
+__all__ = ["Changes", "Elector", "Lease", "LockHolder", "Member", "Scheduler"]
 
 
 class _Twin:
@@ -27,9 +27,15 @@ class _Twin:
     _async: Any
     _portal: Portal
 
+    # Parts of the async API that hand out loop-bound objects or run callbacks on the
+    # portal's loop: not for sync code.
+    _NOT_SYNC = frozenset({"session", "listen", "on_member_left", "on_session_lost"})
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in self._NOT_SYNC:
+            raise AttributeError(f"{name}() of the async class has no sync form in pgcoord.sync")
         attr = getattr(self._async, name)
         if inspect.iscoroutinefunction(attr):
             @functools.wraps(attr)
@@ -50,6 +56,66 @@ def _on_portal(p: Portal, make: Callable[[], Any]) -> Any:
     return p.call(build())
 
 
+class Changes:
+    """A sync iterator over an async subscription (``watch()``), subscribed at once.
+    With ``timeout``, iteration ends after that many seconds without a change. Close
+    it (or use it as a context manager) when done: until then the subscription keeps
+    collecting changes."""
+
+    _END = object()
+
+    def __init__(self, portal: Portal, subscribe: Callable[[], Any], timeout: float | None) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._timeout = timeout
+        self._portal = portal
+        subscription = _on_portal(portal, subscribe)
+        changes = self._queue
+
+        async def pump() -> None:
+            try:
+                async for change in subscription:
+                    changes.put(change)
+            except BaseException as exc:
+                changes.put(exc)
+                raise
+            finally:
+                subscription.close()
+                changes.put(Changes._END)
+
+        self._future = portal.submit(pump())
+
+    def __iter__(self) -> Changes:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = self._queue.get(timeout=self._timeout)
+        except queue.Empty:
+            raise StopIteration from None
+        if item is Changes._END:
+            self._queue.put(item)  # every later call ends too
+            raise StopIteration
+        if isinstance(item, BaseException):
+            if isinstance(item, Exception):
+                raise item
+            raise StopIteration  # cancelled: the portal is closing
+        return item
+
+    def close(self) -> None:
+        self._future.cancel()
+
+    def __enter__(self) -> Changes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        future = getattr(self, "_future", None)
+        if future is not None:
+            future.cancel()
+
+
 class Member(_Twin):
     """``pgcoord.Member`` for sync code: ``with pgcoord.sync.Member(dsn) as member:``.
     ``watch()`` is an iterator that blocks for the next change."""
@@ -67,34 +133,10 @@ class Member(_Twin):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def watch(self, timeout: float | None = None) -> Iterator[Any]:
+    def watch(self, timeout: float | None = None) -> Changes:
         """Membership changes from this call on (subscribed at once, as the async
-        ``watch()``); with ``timeout``, the iterator ends after that many seconds
-        without one."""
-        changes: queue.Queue[Any] = queue.Queue()
-        subscription = _on_portal(self._portal, self._async.watch)
-
-        async def pump() -> None:
-            async for change in subscription:
-                changes.put(change)
-            changes.put(StopIteration)
-
-        future = self._portal.submit(pump())
-
-        def iterate() -> Iterator[Any]:
-            try:
-                while True:
-                    try:
-                        change = changes.get(timeout=timeout)
-                    except queue.Empty:
-                        return
-                    if change is StopIteration:
-                        return
-                    yield change
-            finally:
-                future.cancel()
-
-        return iterate()
+        ``watch()``); see ``Changes``."""
+        return Changes(self._portal, self._async.watch, timeout)
 
 
 class LockHolder(_Twin):
@@ -169,14 +211,18 @@ class Lease(_Pooled):
 
     @property
     def lost(self) -> bool:
+        """True once the lease held by the current (or last) block was lost."""
         return self._held is not None and self._held.lost
 
     def __enter__(self) -> int:
-        self._held = Held(self._portal, lambda: self._async)
-        return int(self._held.__enter__())
+        # One block at a time per Lease object (as for the async Lease).
+        held = Held[int](self._portal, lambda: self._async)
+        fence = int(held.__enter__())
+        self._held = held
+        return fence
 
     def __exit__(self, *exc: Any) -> None:
-        held, self._held = self._held, None
+        held = self._held
         assert held is not None
         held.__exit__(*exc)
 
@@ -197,6 +243,10 @@ class Elector(_Twin):
         inner = source._async if isinstance(source, Member) else source
         self._async = _on_portal(self._portal, lambda: AsyncElector(inner, name, **options))
 
+    def watch(self, timeout: float | None = None) -> Changes:
+        """Each change of leader from now on (``LeaderChanged``), while ``run()`` runs."""
+        return Changes(self._portal, self._async.watch, timeout)
+
     def run(self, lead: Callable[[Term], object]) -> None:
         async def lead_async(fence: int) -> None:
             term = Term(fence)
@@ -215,12 +265,15 @@ class Scheduler(_Pooled):
         from ..scheduler import Scheduler as AsyncScheduler
 
         self._portal = portal()
-        spec, _ = async_source(source)
-        self._pool, self._close_pool = self._portal.call(open_async_source(spec))
+        pool = self._open_pool(source)
         inner_member = None if member is None else member._async
-        self._async = _on_portal(
-            self._portal, lambda: AsyncScheduler(self._pool, member=inner_member, **options))
-        self._stops: dict[tuple[str, Any], threading.Event] = {}
+        try:
+            self._async = _on_portal(
+                self._portal, lambda: AsyncScheduler(pool, member=inner_member, **options))
+        except BaseException:
+            self.close_pool()
+            raise
+        self._stops: dict[tuple[str, Any, int], threading.Event] = {}
 
     def _wrap(self, fn: Callable[[Any], object]) -> Callable[[Any], Any]:
         if inspect.iscoroutinefunction(fn):
@@ -228,17 +281,18 @@ class Scheduler(_Pooled):
                             "use pgcoord.Scheduler for async ones")
 
         async def job(slot: Any) -> None:
-            stop = self._stops.setdefault((slot.job, slot.at), threading.Event())
+            key = (slot.job, slot.at, slot.attempt)
+            stop = self._stops.setdefault(key, threading.Event())
             try:
                 await blocking(fn, slot, on_cancel=stop.set)
             finally:
-                self._stops.pop((slot.job, slot.at), None)
+                self._stops.pop(key, None)
 
         functools.update_wrapper(job, fn)
         return job
 
     def slot_lost(self, slot: Any) -> bool:
-        stop = self._stops.get((slot.job, slot.at))
+        stop = self._stops.get((slot.job, slot.at, slot.attempt))
         return stop is not None and stop.is_set()
 
     def cron(self, *args: Any, **kwargs: Any) -> Callable[[Callable[[Any], object]], Callable[[Any], object]]:

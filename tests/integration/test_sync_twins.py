@@ -220,8 +220,9 @@ def test_a_lock_lost_with_its_session_stops_the_body_and_raises_lock_lost(dsn: s
             async with pgcoord.LockHolder(dsn) as holder:
                 with pytest.raises(pgcoord.LockLost):
                     async with holder.lock(key):
-                        await asyncio.to_thread(sql, dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
-                        try:
+                        try:  # the cancellation may come at either await
+                            await asyncio.to_thread(sql, dsn, "select pg_terminate_backend(%s)",
+                                                    holder.backend_pid)
                             await asyncio.sleep(30)
                         finally:
                             stopped.append(time.monotonic())
@@ -238,3 +239,22 @@ def test_a_lock_lost_with_its_session_stops_the_body_and_raises_lock_lost(dsn: s
                     stopped.append(time.monotonic())
     assert stopped and stopped[0] - started < 5
     assert [lock for lock in advisory_locks(dsn) if lock[1] == pgcoord.lock_key(key)] == []
+
+
+def test_sync_watch_subscribes_at_once_and_closes(dsn: str) -> None:
+    group = name("watchers")
+    with pgcoord.sync.Member(dsn, group=group, name="w") as member:
+        subscribers = member._async._subscribers
+        before = len(subscribers)
+        idle = [member.watch() for _ in range(5)]
+        assert len(subscribers) == before + 5
+        for changes in idle:
+            changes.close()
+        poll(lambda: len(subscribers) == before, what="closed watches unsubscribed")
+        with member.watch(timeout=5) as changes:
+            with pgcoord.sync.Member(dsn, group=group, name="x"):
+                pass
+            kinds = [type(c).__name__ for c in changes if True]
+        assert kinds[:2] == ["MemberJoined", "MemberLeft"] or "MemberLeft" in kinds
+        with pytest.raises(AttributeError, match="no sync form"):
+            member.session()
