@@ -100,9 +100,12 @@ class Sink:
 
     def lock_lost(self, name: str, reason: str) -> None:
         self.locks_lost.add(1, {"pgcoord.name": name})
-        term = self._terms.get(name)
-        if term is not None:
-            term.add_event("lost", {"pgcoord.reason": reason})
+        # A leadership term has ended by now (the elector steps down first, then says
+        # why): the loss is a span of its own, an error, right after the term's.
+        span = self._tracer.start_span("pgcoord.lost", attributes={"pgcoord.name": name,
+                                                                   "pgcoord.reason": reason})
+        span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, reason))
+        span.end()
 
     def jobs_failing(self, handler: str, count: int) -> None:
         self._set("pgcoord.jobs.failing", count, **{"pgcoord.handler": handler})

@@ -109,6 +109,9 @@ async def test_a_leadership_term_is_a_span_and_lost_locks_are_counted(dsn: str, 
                 await asyncio.sleep(5)
     lost = [p for p in points(reader, "pgcoord.locks.lost") if p.attributes["pgcoord.name"] == lost_name]
     assert lost and lost[0].value == 1
+    spans = [sp for sp in exporter.get_finished_spans()
+             if sp.name == "pgcoord.lost" and sp.attributes["pgcoord.name"] == lost_name]
+    assert len(spans) == 1 and spans[0].status.status_code.name == "ERROR"
 
 
 async def test_a_slot_run_is_a_span_with_its_outcome(dsn: str, otel: Any) -> None:
