@@ -81,6 +81,10 @@ class Sink:
             self._terms[name] = self._tracer.start_span(
                 "pgcoord.leadership", attributes={"pgcoord.name": name, "pgcoord.fence": fence or 0})
 
+    def campaigning(self, name: str) -> None:
+        self._set("pgcoord.leader", 0, **{"pgcoord.name": name})
+        self._set("pgcoord.fence", 0, **{"pgcoord.name": name})
+
     def renewal(self, name: str, latency: float, gap: float) -> None:
         self.renewal_latency.record(latency, {"pgcoord.name": name})
         self._set("pgcoord.lease.renewal_gap", gap, **{"pgcoord.name": name})

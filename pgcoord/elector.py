@@ -615,6 +615,7 @@ class Elector:
             raise RuntimeError("this Elector is already running")
         self._run_task = asyncio.current_task()
         self._stopping, self._stopped = False, asyncio.Event()
+        metrics.campaigning(self.name)
         backoff = 0.0
         try:
             while True:

@@ -21,6 +21,7 @@ log = logging.getLogger("pgcoord.metrics")
 
 __all__ = [
     "busy",
+    "campaigning",
     "fence_rejected",
     "job_failing",
     "job_recovered",
@@ -102,6 +103,16 @@ def leadership(name: str, is_leader: bool, fence: int | None) -> None:
         prom["changes"].labels(name).inc()
     if (otel := _otel.sink()) is not None:
         otel.leadership(name, is_leader, fence)
+
+
+def campaigning(name: str) -> None:
+    """An elector started: it exports ``is_leader`` 0 from now on, so that "nobody
+    leads" shows as zeros rather than as no series at all."""
+    if (prom := _prometheus()) is not None:
+        prom["is_leader"].labels(name).set(0)
+        prom["fence"].labels(name).set(0)
+    if (otel := _otel.sink()) is not None:
+        otel.campaigning(name)
 
 
 def renewal(name: str, latency: float, gap: float) -> None:

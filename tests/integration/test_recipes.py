@@ -36,15 +36,24 @@ def test_fastapi_lifespan_probes_and_leader(pgcoord_dsn: str) -> None:
         assert first["leader"] and first["fence"] >= 1
         assert client.get("/readyz").status_code == 200
         poll(lambda: app.state.ticks >= 1, within=6, what="the scheduled job ran")
-        # The member's session dies while the duty's cleanup takes 1.5 s: not ready
-        # meanwhile (the duty runs without the trust window), ready again after.
+        # Leadership is taken away while the member stays connected, and the duty's
+        # cleanup takes 1.5 s: not ready meanwhile (elector.healthy), though the member
+        # has its session; ready again as a follower; leads again once given back.
+        import asyncio
+
+        from pgcoord import testing
+
         app.state.cleanup_seconds = 1.5
-        sql(pgcoord_dsn, "select pg_terminate_backend(%s)", app.state.member._main.backend_pid)
-        poll(lambda: client.get("/readyz").status_code == 503, within=3, what="not ready")
+        outsider = asyncio.run(testing.take_leadership(pgcoord_dsn, "recipes:fanout-owner"))
+        assert outsider > first["fence"]
+        poll(lambda: client.get("/readyz").status_code == 503, within=5, what="not ready")
+        assert app.state.member.has_session
         assert client.get("/livez").status_code == 200  # alive all along
         poll(lambda: client.get("/readyz").status_code == 200, within=10, what="ready again")
+        assert client.get("/leader").json()["leader"] == testing.OUTSIDER
+        asyncio.run(testing.release_leadership(pgcoord_dsn, "recipes:fanout-owner"))
         again = poll(lambda: (r := client.get("/leader").json())["me"] and r, what="leads again")
-        assert again["fence"] > first["fence"]
+        assert again["fence"] > outsider
     # The lifespan's exit stopped everything: no member left, no lease held.
     assert sql(pgcoord_dsn, "select count(*) from pgcoord.members") == [(0,)]
     assert sql(pgcoord_dsn, "select holder from pgcoord.leases where name = 'recipes:fanout-owner'") == [(None,)]

@@ -12,7 +12,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.management.base import BaseCommand
-from django.db import connection, connections
+from django.db import close_old_connections, connection, connections
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
@@ -21,8 +21,12 @@ import pgcoord
 
 def record_heartbeat(slot_key: str) -> None:
     """An ORM-side job (here raw SQL, to need no model migrations in the recipe)."""
-    with connection.cursor() as cursor:
-        cursor.execute("INSERT INTO recipe_heartbeats (slot) VALUES (%s)", [slot_key])
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO recipe_heartbeats (slot) VALUES (%s)", [slot_key])
+    finally:
+        # As at the end of a request: the worker thread keeps no connection open.
+        close_old_connections()
 
 
 def conninfo(alias: str = "default") -> str:
