@@ -1,7 +1,7 @@
 """Schedules at runtime at scale: 10,000 schedules (1,000 tenants x 10) on 4 replicas.
 
     python bench/schedules.py [--tenants 1000] [--per-tenant 10] [--replicas 4]
-                              [--seconds 40] [--pattern spread|burst]
+                              [--seconds 40] [--pattern spread|burst] [--changes 5]
 
 The schedules are rows of pgcoord.schedules naming one handler (added in one
 INSERT, as a bulk add would be). "spread": each fires once a minute, at second
@@ -12,6 +12,12 @@ sends by query name (wrapping the run_statement of the scheduler's modules: the
 server's own counters, pg_stat_database, are flushed too lazily to time a
 window). The start delay is started_at - slot_at, both
 on the database clock, for slots due in the measured window.
+
+With --changes R (> 0) a second window as long as the first follows, in the same
+run, in which R schedules a second are changed (their args, through
+pgcoord.schedule_update, each its own statement): every change makes every
+replica reload its schedules, so the figures of both windows are printed side by
+side, the first as the baseline.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,11 +64,18 @@ async def replica(dsn: str, handler: str, out: str) -> None:
         pass
 
     loop = asyncio.get_running_loop()
+    baseline: dict[str, int] = {}
+
+    def second_window() -> None:
+        baseline.update(counts)
+        counts.clear()
+
     loop.add_signal_handler(signal.SIGUSR1, counts.clear)  # the measured window starts
+    loop.add_signal_handler(signal.SIGUSR2, second_window)  # the window with changes starts
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(sched.stop()))
     started = time.monotonic()
     await sched.run()
-    _dump(out, {"counts": counts, "seconds": time.monotonic() - started})
+    _dump(out, {"counts": counts, "baseline": baseline, "seconds": time.monotonic() - started})
     await pool.close()
 
 
@@ -74,8 +88,41 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+def _change(dsn: str, handler: str, n: int, per_tenant: int, rate: float, until: float) -> int:
+    """Change the args of one schedule after another, ``rate`` a second, until ``until``
+    (monotonic); the number of changes made."""
+    import random
+
+    import psycopg
+
+    made = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        start = time.monotonic()
+        while time.monotonic() < until:
+            i = random.randrange(n)
+            conn.execute("select pgcoord.schedule_update(%s, %s)",
+                         (f"{handler}:tenant-{i // per_tenant}:{i % per_tenant}",
+                          json.dumps({"args": {"tenant": i // per_tenant, "change": made}})))
+            made += 1
+            time.sleep(max(0.0, start + made / rate - time.monotonic()))
+    return made
+
+
+def _window(dsn: str, handler: str, t0: float, t1: float) -> tuple[list[float], Any, Any]:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "select extract(epoch from started_at - slot_at) * 1000, state from pgcoord.job_slots"
+            " where job like %s and not manual and slot_at > to_timestamp(%s)"
+            " and slot_at <= to_timestamp(%s)", (handler + ":%", t0, t1)).fetchall()
+    delays = [float(d) for d, state in rows if state in ("succeeded", "running")]
+    return delays, rows, collections.Counter(state for _, state in rows)
+
+
 def run_scale(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, replicas: int = 4,
-              seconds: float = 40, warmup: float = 8, pattern: str = "spread") -> None:
+              seconds: float = 40, warmup: float = 8, pattern: str = "spread",
+              changes: float = 0.0) -> None:
     """Add the schedules, run the replicas, print the figures (markdown)."""
     import psycopg
 
@@ -106,6 +153,13 @@ def run_scale(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, replicas: 
     t0 = clock()
     time.sleep(seconds)
     t1 = clock()
+    made = 0
+    if changes > 0:
+        for p in procs:
+            p.send_signal(signal.SIGUSR2)
+        t1 = clock()
+        made = _change(dsn, handler, n, per_tenant, changes, time.monotonic() + seconds)
+        t2 = clock()
     for p in procs:
         p.send_signal(signal.SIGTERM)
     for p in procs:
@@ -122,9 +176,15 @@ def run_scale(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, replicas: 
     delays = [float(d) for d, state in rows if state in ("succeeded", "running")]
     states = collections.Counter(state for _, state in rows)
     counts: collections.Counter[str] = collections.Counter()
+    changed: collections.Counter[str] = collections.Counter()
     for out in outs:
         with open(out) as f:
-            counts.update(json.load(f)["counts"])
+            data = json.load(f)
+        if changes > 0:
+            counts.update(data["baseline"])
+            changed.update(data["counts"])
+        else:
+            counts.update(data["counts"])
         os.unlink(out)
     print(f"# Schedules at scale ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, loopback,"
           f" PostgreSQL and replicas on the same machine)\n")
@@ -144,6 +204,22 @@ def run_scale(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, replicas: 
     print("|---|---:|---:|")
     for name, count in counts.most_common():
         print(f"| {name} | {count / window:,.1f} | {count / max(1, len(rows)):.2f} |")
+    if changes > 0:
+        late, late_rows, late_states = _window(dsn, handler, t1, t2)
+        window2 = t2 - t1
+        print(f"\nWith changes: {made:,} schedules changed in {window2:.0f} s"
+              f" ({made / window2:,.1f}/s, one statement each), right after the window above;"
+              f" {len(late_rows):,} slots due, states {dict(late_states)}\n")
+        print("| | baseline (no changes) | with changes | ratio |")
+        print("|---|---:|---:|---:|")
+        for label, q in (("delay p50", .5), ("delay p99", .99)):
+            a, b = pct(delays, q), pct(late, q)
+            print(f"| {label} | {a:,.0f} ms | {b:,.0f} ms | {b / a if a else float('nan'):.2f}x |")
+        a, b = sum(counts.values()) / window, sum(changed.values()) / window2
+        print(f"| statements/s, all replicas | {a:,.1f} | {b:,.1f} | {b / a:.2f}x |")
+        for name in sorted(set(counts) | set(changed)):
+            a, b = counts[name] / window, changed[name] / window2
+            print(f"| {name}/s | {a:,.1f} | {b:,.1f} | {b / a if a else float('inf'):.2f}x |")
 
 
 
@@ -156,6 +232,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40)
     parser.add_argument("--warmup", type=float, default=8)
     parser.add_argument("--pattern", choices=("spread", "burst"), default="spread")
+    parser.add_argument("--changes", type=float, default=0.0,
+                        help="schedules changed per second in a second window (0: none)")
     parser.add_argument("--replica", nargs=3, metavar=("DSN", "HANDLER", "OUT"))
     args = parser.parse_args()
     if args.replica:
@@ -165,7 +243,8 @@ def main() -> None:
 
     with bench_database() as (dsn, _):
         run_scale(dsn, tenants=args.tenants, per_tenant=args.per_tenant, replicas=args.replicas,
-                  seconds=args.seconds, warmup=args.warmup, pattern=args.pattern)
+                  seconds=args.seconds, warmup=args.warmup, pattern=args.pattern,
+                  changes=args.changes)
 
 
 if __name__ == "__main__":

@@ -585,13 +585,18 @@ class Scheduler(SlotRunner):
         now, epoch = as_utc(row[0]), int(row[1])
         owed = [] if row[2] is None else list(zip(row[2], row[3], row[4], row[5], strict=True))
         self._clock_offset = now.timestamp() - time.time()
+        # A reload (of every schedule: ~0.2 s for 10,000) comes after this tick's
+        # decisions, not before, so that a stream of changes does not hold up the
+        # slots of the schedules that did not change. Deciding under the versions
+        # loaded is safe: a claim for a schedule changed since comes back stale,
+        # inserts nothing, and its slots are decided again at once after the reload.
+        if self._epoch is None:
+            await self._reload()
+        await self._decide_due(now)
         if epoch != self._epoch:
             await self._reload()
-        due = [s for s in self._specs.values() if s.next_due is not None and s.next_due <= now]
-        plain = [s for s in due if not s.jitter]
-        jittered = [s for s in due if s.jitter]
-        await asyncio.gather(self._decide(plain, now),
-                             *(self._decide_jittered(s) for s in jittered))
+            # Only the schedules that changed (or were stale) can be due now.
+            await self._decide_due(now)
         if owed:
             # A failure here (a missing grant, a lost connection) must not cost the
             # tick its housekeeping: recovery, retention and alerts still run.
@@ -605,6 +610,13 @@ class Scheduler(SlotRunner):
             if spec.next_due is not None:
                 wake = min(wake, spec.next_due.timestamp())
         return wake
+
+    async def _decide_due(self, now: dt.datetime) -> None:
+        due = [s for s in self._specs.values() if s.next_due is not None and s.next_due <= now]
+        plain = [s for s in due if not s.jitter]
+        jittered = [s for s in due if s.jitter]
+        await asyncio.gather(self._decide(plain, now),
+                             *(self._decide_jittered(s) for s in jittered))
 
     async def _decide_jittered(self, spec: Job) -> None:
         await asyncio.sleep(random.uniform(0, spec.jitter))
