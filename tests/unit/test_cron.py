@@ -100,3 +100,28 @@ def test_previous_slots_stop_at_after() -> None:
     until = dt.datetime(2026, 1, 1, 0, 0, 10, tzinfo=dt.UTC)
     found = previous_slots("* * * * * *", zone, until, 100_000, after=until - dt.timedelta(seconds=3))
     assert found == [until - dt.timedelta(seconds=k) for k in range(3)]
+
+
+@pytest.mark.parametrize("tz", [PARIS, NEW_YORK])
+@pytest.mark.parametrize("expr", ["30 2 * * *", "0 * * * *", "*/20 * * * *", "30 1 * * *"])
+def test_the_live_loop_decides_the_same_slots_as_a_backfill_across_both_transitions(
+        tz: ZoneInfo, expr: str) -> None:
+    """The loop wakes at each next_due and decides one slot at a time (next_slot,
+    its shortcut); a backfill walks slots_between. Across both DST nights they agree."""
+    for start, end in (("2026-03-07T00:00:00", "2026-03-09T12:00:00"),   # New York springs
+                       ("2026-03-28T00:00:00", "2026-03-30T12:00:00"),   # Paris springs
+                       ("2026-10-24T00:00:00", "2026-10-26T12:00:00"),   # Paris falls back
+                       ("2026-10-31T00:00:00", "2026-11-02T12:00:00")):  # New York falls back
+        spec = job(expr, tz, catch_up="none")
+        spec.after = at(start)
+        spec.next_due = spec.next_after(spec.after)
+        ran: list[dt.datetime] = []
+        while spec.next_due <= at(end):
+            now = spec.next_due + dt.timedelta(milliseconds=5)  # the loop wakes at next_due
+            todo, last = spec.decide(now)
+            assert [act for _, act, _ in todo] == ["run"] * len(todo)
+            ran += [slot for slot, _, _ in todo]
+            spec.after = last
+            spec.next_due = spec.next_after(last)
+        assert ran == slots_between(expr, tz, at(start), at(end))
+        assert len(ran) == len(set(ran))
