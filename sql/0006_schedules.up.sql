@@ -117,9 +117,14 @@ CREATE TRIGGER schedule_owed_added AFTER INSERT ON pgcoord.schedule_owed
     FOR EACH STATEMENT EXECUTE FUNCTION pgcoord.schedule_owed_added();
 
 -- Operators' controls. Each returns false for a schedule that does not exist.
+-- Pause and resume lock the row FOR UPDATE before reading the clock (as
+-- schedule_update does): a plain UPDATE does not wait for the claims being
+-- decided under the old version (FOR KEY SHARE), which could commit a run for a
+-- slot after the paused_at taken meanwhile.
 CREATE FUNCTION pgcoord.schedule_pause(schedule_name text) RETURNS boolean
     LANGUAGE sql
     AS $body$
+        SELECT 1 FROM pgcoord.schedules AS s WHERE s.name = schedule_name FOR UPDATE;
         WITH paused AS (
             UPDATE pgcoord.schedules AS s
                SET paused = true, paused_at = pg_catalog.clock_timestamp(), resumed_at = NULL
@@ -144,6 +149,7 @@ RETURNS boolean
             RAISE EXCEPTION USING ERRCODE = '22023',
                 MESSAGE = 'pgcoord: resume catch_up must be none or latest, not ' || coalesce(catch_up, 'NULL');
         END IF;
+        PERFORM 1 FROM pgcoord.schedules AS s WHERE s.name = schedule_name FOR UPDATE;
         UPDATE pgcoord.schedules AS s
            SET paused = false, resumed_at = pg_catalog.clock_timestamp()
          WHERE s.name = schedule_name AND s.paused

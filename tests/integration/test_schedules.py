@@ -654,3 +654,25 @@ async def test_a_change_made_while_the_members_session_is_away_is_seen_when_it_i
         finally:
             await s.stop()
             await task
+
+
+async def test_pause_and_resume_wait_for_claims_being_decided_and_count_from_then(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """A claim being decided holds its schedule FOR KEY SHARE until it commits; an
+    UPDATE does not wait for that, so a pause could take its paused_at before a
+    claim under the unpaused version committed for a later slot."""
+    s = Scheduler(pool)
+    name = unique("held")
+    await s.add(name, "0 0 1 1 *", handler=unique("h"))
+    for action in ("pause", "resume"):
+        with psycopg.connect(dsn) as decider:  # as schedule_decide holds it
+            decider.execute("select 1 from pgcoord.schedules where name = %s for key share", (name,))
+            change = asyncio.create_task(getattr(s, action)(name))
+            await asyncio.sleep(0.5)
+            waited = not change.done()
+            released = db_now(dsn)
+            decider.rollback()
+        await change
+        assert waited, f"{action} did not wait for the claim being decided"
+        column = "paused_at" if action == "pause" else "resumed_at"
+        assert sql(dsn, f"select {column} from pgcoord.schedules where name = %s", name)[0][0] > released
