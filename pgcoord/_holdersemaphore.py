@@ -85,7 +85,9 @@ def _release_later(holder: LockHolder, carrier: Carrier, request: SemaphoreReque
     re-entrant, and this release would then take that holder's level away)."""
     member = holder._member
     incarnation = getattr(carrier.conn, "_incarnation", None)
-    if member is None:
+    if member is None or member.id != incarnation:
+        # No member, or its session is already gone (and the lane with it): nothing
+        # to release, and a task spawned now might be cancelled before it forgets.
         _note(carrier, request.key, lane, -1)
         return
 

@@ -292,7 +292,9 @@ class SlotRunner:
     def _lose(self, run: Run, body: asyncio.Task[Any], reason: str) -> None:
         if run.claim.lost is None:
             run.claim.lost = f"claim lost: {reason}"
-            metrics.lock_lost(run.spec.name, reason)
+            # By handler: schedules added at run time (one per tenant) would make the
+            # label set unbounded.
+            metrics.lock_lost(run.spec.handler or run.spec.name, reason)
         body.cancel(f"pgcoord: job {run.spec.name!r} slot {run.slot.key}: {run.claim.lost}")
 
     async def _stop_runs(self) -> None:

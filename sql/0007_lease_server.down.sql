@@ -1,5 +1,22 @@
 -- pgcoord 0007 down: back to judging a lease's session by its doorbell alone.
 
+CREATE OR REPLACE FUNCTION pgcoord.job_expire_member_claims(member_id integer) RETURNS integer
+    LANGUAGE sql
+    AS $body$
+        WITH expired AS (
+            UPDATE pgcoord.job_slots AS s
+               SET claim_expires_at = pg_catalog.clock_timestamp()
+             WHERE s.state = 'running'
+               AND s.runner = (SELECT m.name || '/' || m.id::text FROM pgcoord.member_sessions AS m
+                               WHERE m.id = member_id AND m.left_at IS NOT NULL)
+               AND s.claim_expires_at > pg_catalog.clock_timestamp()
+            RETURNING 1
+        )
+        SELECT count(*)::integer FROM expired
+    $body$;
+
+ALTER TABLE pgcoord.member_sessions DROP COLUMN server;
+
 CREATE FUNCTION pgcoord.lease_session_alive(lease_name text, pid integer) RETURNS boolean
     LANGUAGE sql STABLE
     RETURN pid IS NOT NULL AND EXISTS (

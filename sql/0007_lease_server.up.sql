@@ -155,7 +155,7 @@ CROSS JOIN LATERAL (
     SELECT s.holder_server IS NULL OR s.holder_server = pgcoord.server_incarnation() AS here
 ) AS here
 LEFT JOIN pg_catalog.pg_stat_activity AS a ON here.here AND a.pid = s.holder_pid
-LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = s.holder_pid AND ms.left_at IS NULL
+LEFT JOIN pgcoord.member_sessions AS ms ON here.here AND ms.pid = s.holder_pid AND ms.left_at IS NULL
 WHERE s.holder IS NOT NULL AND s.expires_at > pg_catalog.clock_timestamp()
 UNION ALL
 SELECT
@@ -168,6 +168,29 @@ FROM pgcoord.job_slots AS j
 LEFT JOIN pgcoord.member_sessions AS ms
        ON j.runner = ms.name || '/' || ms.id::text AND ms.left_at IS NULL
 WHERE j.state = 'running';
+
+-- Members live on one server incarnation too. After a failover a member's row names a
+-- session the new primary cannot see: its running job claims are then not expired at
+-- once (a runner cut off by a vanished host may still run its slot), but expire on
+-- their own, as its leases do. Rows that exist now are of this incarnation.
+ALTER TABLE pgcoord.member_sessions ADD COLUMN server text DEFAULT pgcoord.server_incarnation();
+UPDATE pgcoord.member_sessions SET server = pgcoord.server_incarnation() WHERE server IS NULL;
+
+CREATE OR REPLACE FUNCTION pgcoord.job_expire_member_claims(member_id integer) RETURNS integer
+    LANGUAGE sql
+    AS $body$
+        WITH expired AS (
+            UPDATE pgcoord.job_slots AS s
+               SET claim_expires_at = pg_catalog.clock_timestamp()
+             WHERE s.state = 'running'
+               AND s.runner = (SELECT m.name || '/' || m.id::text FROM pgcoord.member_sessions AS m
+                               WHERE m.id = member_id AND m.left_at IS NOT NULL
+                                 AND m.server IS NOT DISTINCT FROM pgcoord.server_incarnation())
+               AND s.claim_expires_at > pg_catalog.clock_timestamp()
+            RETURNING 1
+        )
+        SELECT count(*)::integer FROM expired
+    $body$;
 
 -- Only the doorbell; nothing calls it any more, and a caller that did would miss
 -- the incarnation.

@@ -158,6 +158,10 @@ async def open_async_source(spec: tuple[str, Any]) -> tuple[Any, Callable[[], Aw
     kind, source = spec
     if kind == "dsn":
         try:
+            if "://" not in source:
+                # libpq's key=value form (multi-host ones included): psycopg reads it,
+                # asyncpg does not.
+                raise ImportError
             import asyncpg
         except ImportError:
             from psycopg_pool import AsyncConnectionPool

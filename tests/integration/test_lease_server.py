@@ -223,3 +223,31 @@ def test_a_restart_waits_out_the_ttl_a_crash_restart_does_not() -> None:
             assert conn.execute("select pgcoord.server_incarnation()").fetchone() == (before,)
             assert conn.execute("select fence from pgcoord.lease_acquire('crashed', 'new', 60000,"
                                 " null)").fetchall() == [(2,)]
+
+
+def test_a_member_of_another_incarnation_keeps_its_job_claims_until_they_expire(dsn: str) -> None:
+    """After a failover the new primary cannot tell whether a member's session is gone,
+    so the member's running job claims are not expired at once (a runner cut off by a
+    vanished host may still run its slot): they expire on their own, as leases do."""
+    job = f"incarnation-job-{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ids = conn.execute("select coalesce(max(id), 0) + 1000 from pgcoord.member_sessions").fetchone()
+        assert ids is not None
+        base = int(ids[0])
+        for offset, server in ((0, "another-server"), (1, None)):
+            member_id = base + offset
+            conn.execute(
+                "insert into pgcoord.member_sessions (id, \"group\", name, pid, ttl_ms, left_at, left_reason)"
+                " values (%s, 'g', %s, 1, 10000, clock_timestamp(), 'crashed')", (member_id, f"m{member_id}"))
+            if server is not None:
+                conn.execute("update pgcoord.member_sessions set server = %s where id = %s", (server, member_id))
+            conn.execute(
+                "insert into pgcoord.job_slots (job, slot_at, state, attempt, runner, started_at, claim_expires_at)"
+                " values (%s, now() - make_interval(secs => %s), 'running', 1, %s, now(), now() + interval '30 s')",
+                (job, offset + 1, f"m{member_id}/{member_id}"))
+        other = conn.execute("select pgcoord.job_expire_member_claims(%s)", (base,)).fetchone()
+        here = conn.execute("select pgcoord.job_expire_member_claims(%s)", (base + 1,)).fetchone()
+        assert (other, here) == ((0,), (1,))
+        left = conn.execute("select runner from pgcoord.job_slots where job = %s"
+                            " and claim_expires_at > clock_timestamp()", (job,)).fetchall()
+        assert left == [(f"m{base}/{base}",)]

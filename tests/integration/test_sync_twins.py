@@ -258,3 +258,18 @@ def test_sync_watch_subscribes_at_once_and_closes(dsn: str) -> None:
         assert kinds[:2] == ["MemberJoined", "MemberLeft"] or "MemberLeft" in kinds
         with pytest.raises(AttributeError, match="no sync form"):
             member.session()
+
+
+def test_sync_lease_takes_a_key_value_dsn(dsn: str) -> None:
+    """libpq's key=value form (the multi-host one in docs/operations.md) works for the
+    twins that open a pool of their own, as for those that open sessions."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(dsn)
+    key_value = f"host={url.hostname} port={url.port} dbname={url.path.lstrip('/')} user={url.username}"
+    lease = pgcoord.sync.Lease(key_value, name("kv-lease"), ttl=3.0)
+    try:
+        with lease as fence:
+            assert fence >= 1
+    finally:
+        lease.close()
