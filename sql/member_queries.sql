@@ -32,13 +32,15 @@ SELECT pgcoord.member_heartbeat($1)
 
 -- name: member_state
 -- Every live member's id (the watcher ring spans all groups, so that every
--- death is seen by someone), the live members of group $1, and why its recent
+-- death is seen by someone; members behind a pooler hold no alive lock to wait
+-- for, and are judged by their heartbeats instead), the live members of group $1, and why its recent
 -- departures left (for members that poll); as JSON so that every driver
 -- returns the same shape.
 WITH live AS MATERIALIZED (SELECT * FROM pgcoord.members),
      grp AS (SELECT $1::text AS name)
 SELECT pg_catalog.json_build_object(
-    'ring', coalesce((SELECT pg_catalog.json_agg(l.id ORDER BY l.id) FROM live AS l), '[]'),
+    'ring', coalesce((SELECT pg_catalog.json_agg(l.id ORDER BY l.id) FROM live AS l
+                      WHERE l.has_session), '[]'),
     'peers', coalesce((
         SELECT pg_catalog.json_agg(pg_catalog.json_build_object(
                    'id', m.id, 'name', m.name, 'group', m."group", 'meta', m.meta,

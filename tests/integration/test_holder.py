@@ -344,8 +344,9 @@ async def test_holders_view_names_the_holder_by_application_name(dsn: str) -> No
     async with pgcoord.LockHolder(dsn, application_name="reindexer-7") as holder, \
             holder.lock(name):
         with psycopg.connect(dsn) as conn:
-            rows = conn.execute(
+            rows = conn.execute(  # this test's row only: other tests share the database
                 "select name, holder, application_name, pid, granted from pgcoord.holders"
+                " where name = %s", (name,)
             ).fetchall()
         assert rows == [(name, "reindexer-7", "reindexer-7", holder.backend_pid, True)]
 

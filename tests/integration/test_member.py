@@ -490,3 +490,28 @@ async def test_a_lone_member_keeps_its_session_past_its_ttl(dsn: str) -> None:
         first = m.id
         await asyncio.sleep(4)
         assert m.id == first
+
+
+async def test_a_member_with_a_session_never_reaps_one_behind_a_pooler(dsn: str) -> None:
+    """A member behind a transaction-mode pooler holds no alive lock: a member with a
+    session (any group) must not take the free lock for a death. Before, the watcher
+    ring included it, was granted its lock at once and announced it crashed."""
+    from .pgbouncer import PgBouncer
+
+    bouncer = PgBouncer(int(dsn.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        async with pgcoord.Member(bouncer.dsn(dsn), group=group(), name="pooled", ttl=3.0,
+                                  driver="psycopg") as pooled:
+            assert pooled.polling is True
+            changes = pooled.watch()
+            async with pgcoord.Member(dsn, group=group(), name="direct", ttl=3.0) as direct:
+                assert direct.polling is False
+                await asyncio.sleep(1.5)  # the watcher had its chance
+                gone = sql(dsn, "select left_at, left_reason from pgcoord.member_sessions where id = %s",
+                           pooled.id)
+                assert gone == [(None, None)], gone
+                assert [p.name for p in await pooled.peers()] == ["pooled"]
+            with pytest.raises(TimeoutError):
+                await next_left(changes, timeout=0.5)  # nothing told about itself either
+    finally:
+        bouncer.stop()
