@@ -298,15 +298,28 @@ class Member:
         # given up (followers may take over the moment we have left).
         if self.id is not None:
             self._call_hooks(self._lost_hooks, self.id)
-        with contextlib.suppress(Exception):
-            await finish_despite_cancel(self._leave())
-        await finish_despite_cancel(self._drop_sessions())
-        for queue in self._subscribers:
-            queue.put_nowait(END_OF_STREAM)
+        try:
+            with contextlib.suppress(Exception):
+                await finish_despite_cancel(self._leave())
+        finally:
+            await finish_despite_cancel(self._drop_sessions())
+            for queue in self._subscribers:
+                queue.put_nowait(END_OF_STREAM)
 
     async def _leave(self) -> None:
         if self.id is not None and self._main is not None and not self._lost.is_set():
-            await self._call(query("member_leave"), self.id)
+            try:
+                await self._call(query("member_leave"), self.id)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # Not a cancellation of ours: asyncpg 0.29 makes the statement after a
+                # cancelled one wait for that cancel, and the wait can end this way
+                # when the tasks that ran on the session were stopped. Leaving is best
+                # effort: the session is closed next, and its end frees the alive lock
+                # (the others are told the member crashed rather than left).
+                log.warning("member %r: leaving the group was cut short; closing the session", self.name)
 
     async def _drop_sessions(self) -> None:
         for conn in (self._watcher, self._main):
