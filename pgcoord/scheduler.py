@@ -159,6 +159,9 @@ class Scheduler(SlotRunner):
         self._draining = False
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
+        # Seconds this scheduler's ticks run ahead of the database clock: 0, except
+        # under pgcoord.testing.advance(), which moves a test's scheduler forward.
+        self._time_shift = 0.0
         self._wake = asyncio.Event()
         self._last_recover = 0.0
         self._last_prune = 0.0
@@ -582,7 +585,7 @@ class Scheduler(SlotRunner):
         again. The due slots of all schedules are decided together, in batches."""
         row = await run_statement(self._source, query("schedule_tick"), ())
         assert row is not None
-        now, epoch = as_utc(row[0]), int(row[1])
+        now, epoch = as_utc(row[0]) + dt.timedelta(seconds=self._time_shift), int(row[1])
         owed = [] if row[2] is None else list(zip(row[2], row[3], row[4], row[5], strict=True))
         self._clock_offset = now.timestamp() - time.time()
         # A reload (of every schedule: ~0.2 s for 10,000) comes after this tick's

@@ -28,6 +28,10 @@ failures it must survive, deterministically:
 * ``await run_slot(sched, job, at)``: run slot ``at`` of ``job`` (a due or past
   instant of its schedule) now, on this replica, exactly as the scheduler would:
   claimed in ``pgcoord.job_slots``, run, recorded; returns the ``Slot``.
+* ``await advance(sched, to)``: move a ``Scheduler``'s clock forward to the instant
+  ``to`` and tick once: every slot due by then is decided as after such a jump in
+  time (run, or recorded ``missed``/``skipped`` per the job's ``catch_up``), and the
+  runs started are awaited. Later ticks keep the advanced clock.
 * ``await wait_until(predicate, within)``: poll a condition, for asserting
   what your code did afterwards.
 """
@@ -45,6 +49,7 @@ from ._queries import query
 
 __all__ = [
     "OUTSIDER",
+    "advance",
     "lose_session",
     "pause",
     "pause_past_ttl",
@@ -172,6 +177,38 @@ async def run_slot(sched: Any, job: str, at: Any) -> Any:
         raise ValueError(f"slot {at.isoformat()} of {job!r} did not run: it is not an instant of "
                          "the schedule, or it already has a row in pgcoord.job_slots")
     return ran[0]
+
+
+async def advance(sched: Any, to: Any) -> list[Any]:
+    """Move the async ``Scheduler`` ``sched`` forward to the aware datetime ``to`` (not
+    before where it is) and tick once; returns the slots that ran, after their runs
+    ended. The database and other replicas keep real time: only this scheduler's idea
+    of now moves (claims and records still use the database's clock)."""
+    import datetime as dt
+
+    from .scheduler import Scheduler
+
+    if not isinstance(sched, Scheduler):
+        raise TypeError(f"advance takes a pgcoord.Scheduler, not {type(sched).__name__}")
+    if not isinstance(to, dt.datetime) or to.utcoffset() is None:
+        raise ValueError(f"advance needs an aware datetime, got {to!r}")
+    now = await sched._database_now()
+    shift = (to - now).total_seconds()
+    if shift < sched._time_shift:
+        raise ValueError(f"the scheduler is already at {now + dt.timedelta(seconds=sched._time_shift)}: "
+                         "time does not go back")
+    if sched._run_task is None and sched.jobs:
+        # Not running: write the code's schedules as run() would first.
+        await sched._declare()
+        sched._epoch = None
+    before = set(sched._running)
+    sched._time_shift = shift
+    await sched.tick()
+    started = {key: run for key, run in sched._running.items() if key not in before}
+    tasks = [run.task for run in started.values() if run.task is not None]
+    if tasks:
+        await asyncio.wait(tasks)
+    return [run.slot for run in started.values()]
 
 
 async def wait_until(predicate: Callable[[], Any | Awaitable[Any]], within: float = 5.0,

@@ -166,3 +166,35 @@ def test_loading_the_plugin_imports_nothing_of_pgcoord() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+async def test_advance_moves_a_scheduler_to_an_instant_as_a_jump_in_time_would(pgcoord_dsn: str) -> None:
+    import datetime as dt
+
+    import asyncpg
+
+    pool = await asyncpg.create_pool(pgcoord_dsn, min_size=1, max_size=3)
+    try:
+        sched = pgcoord.Scheduler(pool)
+        seen: list[dt.datetime] = []
+
+        @sched.cron("nightly", "30 2 * * *", tz="Europe/Berlin")  # catch_up="latest" by default
+        async def nightly(slot: pgcoord.Slot) -> None:
+            seen.append(slot.at)
+
+        now = await pool.fetchval("select now()")
+        # Declares the job (it counts from now) and ticks a second ahead: nothing is due.
+        assert await testing.advance(sched, now + dt.timedelta(seconds=1)) == []
+        later = now + dt.timedelta(days=3)
+        ran = await testing.advance(sched, later)
+        # Three nights came due in the jump: the latest ran (catch_up="latest"), the
+        # earlier ones were recorded missed, as after a real outage of three days.
+        assert [s.at for s in ran] == seen and len(seen) == 1
+        assert seen[0] <= later and later - seen[0] < dt.timedelta(days=1)
+        states = await pool.fetch("select state, count(*) from pgcoord.job_slots where job = 'nightly'"
+                                  " group by state order by state")
+        assert [(r["state"], r["count"]) for r in states] == [("missed", 2), ("succeeded", 1)]
+        with pytest.raises(ValueError, match="does not go back"):
+            await testing.advance(sched, now)
+    finally:
+        await pool.close()
