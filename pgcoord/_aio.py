@@ -156,6 +156,46 @@ async def _resume(coro: Coroutine[Any, Any, T], waiting_on: Any) -> T:
             return cast(T, finished.value)
 
 
+# How often a task that went on after its cancellation is cancelled again.
+RECANCEL_EVERY = 0.1
+
+
+async def cancel_until_done(task: asyncio.Task[Any], *,
+                            insist_from: float | Callable[[], float] = 0.0,
+                            every: float = RECANCEL_EVERY, msg: str | None = None,
+                            cancel_now: bool = True) -> int:
+    """Cancel ``task`` (unless ``cancel_now`` is False: the caller just did) and wait
+    until it has ended; from ``insist_from`` (monotonic time, or a function giving
+    it, read again at each look) on, cancel it again every ``every`` seconds while
+    it runs on. Returns how often it was cancelled again; never raises what the
+    task raised.
+
+    One cancellation is not always enough: a driver can turn it into an ordinary
+    error (psycopg before its fix for issue #1435, in 3.2, raises the connection's
+    ``OperationalError`` when the connection breaks during a cancelled statement),
+    and code that retries on errors then goes on as if nothing had been asked of
+    it. Where pgcoord has ended the term a task runs for (a lost lock, a closed
+    trust window) it must end; ``insist_from`` lets a graceful stop give the
+    task's own cleanup the time that is still safely ours first.
+    """
+    start = insist_from if callable(insist_from) else (lambda: insist_from)
+    if cancel_now:
+        task.cancel(msg)
+    again = 0
+    try:
+        while not task.done():
+            # Looked at every `every` seconds, since `insist_from` may move either way
+            # (a renewal extends a trust window, a loss closes it).
+            await asyncio.wait({task}, timeout=every)
+            if not task.done() and time.monotonic() >= start():
+                task.cancel(msg)
+                again += 1
+    except asyncio.CancelledError:
+        task.cancel(msg)  # given up on (a bound, our own cancellation): one last ask
+        raise
+    return again
+
+
 def consume_result(task: asyncio.Future[Any]) -> None:
     """Done-callback for an abandoned task: read its outcome so asyncio does not
     log "exception was never retrieved" for a failure we already acted on."""

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -46,9 +47,11 @@ from . import _errmap, metrics
 from ._aio import (
     CLEANUP_TIMEOUT,
     END_OF_STREAM,
+    RECANCEL_EVERY,
     CleanupTimeout,
     Subscription,
     absorb_cancel,
+    cancel_until_done,
     consume_result,
     finish_despite_cancel,
 )
@@ -537,34 +540,61 @@ class Elector:
                 trust_until = attempt_sent + window - trust_margin(window)
                 self._trust_until = trust_until
                 next_renewal = attempt_sent + every
+        except BaseException:
+            reason = ""  # stop() or cancellation: not a loss
+            raise
         finally:
             # Step down first, then clean up: nobody may think we lead from here on.
             self._leading, self._fence = False, None
             metrics.leadership(self.name, False, None)
             lost_waiter.cancel()
-            duty.cancel()
+            # Said now, not after lead() has ended: that may take a while, and the
+            # reason is what an operator looks for at this moment.
+            self._say_why(reason, duty, fence)
+            # After a loss another replica may lead at any moment: lead() must end
+            # now, and is cancelled again until it does. Stepping down of our own
+            # accord, the lease is still ours until the trust window closes (and is
+            # released once lead() has ended, or at the bound): its cleanup has until
+            # the sooner of the two, halfway to the bound, before it is cancelled
+            # again; at once if the session is lost meanwhile.
+            graceful = reason in ("", "a resign was requested", "lead() returned")
+            lost = self._lost
+            calm_until = min(trust_until, time.monotonic() + LEAD_EXIT_TIMEOUT / 2)
+
+            def insist_from() -> float:
+                return calm_until if graceful and not lost.is_set() else 0.0
+
             try:
-                await self._end_duty(duty)
+                await self._end_duty(duty, insist_from)
             finally:
                 await self._resign_bounded(fence, rang)
+
+    def _say_why(self, reason: str, duty: asyncio.Task[Any], fence: int) -> None:
+        if not reason:
+            return
         if reason == "a resign was requested":
-            log.info("elector %r: resigned on request (fence %d), campaigning again", self.name, fence)
+            log.info("elector %r: resigning on request (fence %d), then campaigning again",
+                     self.name, fence)
         elif duty.done() and not duty.cancelled() and duty.exception() is None:
-            log.info("elector %r: lead() returned; resigned, campaigning again", self.name)
+            log.info("elector %r: lead() returned; resigning, then campaigning again", self.name)
         else:
-            log.warning("elector %r: stepped down (fence %d): %s", self.name, fence, reason)
+            if duty.done() and not duty.cancelled():
+                reason = "lead() raised"  # logged with its traceback once it is collected
+            log.warning("elector %r: stepping down (fence %d): %s", self.name, fence, reason)
             metrics.lock_lost(self.name, reason)
 
-    async def _finish_duty(self, duty: asyncio.Task[Any]) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            try:
-                await duty
-            except Exception:
-                log.exception("elector %r: lead() raised", self.name)
+    async def _finish_duty(self, duty: asyncio.Task[Any], insist_from: Callable[[], float]) -> None:
+        again = await cancel_until_done(duty, insist_from=insist_from)
+        if again:
+            log.warning("elector %r: lead() went on after its cancellation (a driver or an "
+                        "except clause took it for an error); cancelled %d more time(s)",
+                        self.name, again)
+        if not duty.cancelled() and (error := duty.exception()) is not None:
+            log.error("elector %r: lead() raised", self.name, exc_info=error)
 
-    async def _end_duty(self, duty: asyncio.Task[Any]) -> None:
+    async def _end_duty(self, duty: asyncio.Task[Any], insist_from: Callable[[], float]) -> None:
         try:
-            await finish_despite_cancel(self._finish_duty(duty), bound=LEAD_EXIT_TIMEOUT)
+            await finish_despite_cancel(self._finish_duty(duty, insist_from), bound=LEAD_EXIT_TIMEOUT)
         except CleanupTimeout:
             log.error("elector %r: lead() did not finish within %.1f s of its cancellation; "
                       "resigning without it (its fence is stale; this replica leads again only "
@@ -655,11 +685,18 @@ class Elector:
                 queue.put_nowait(END_OF_STREAM)
 
     async def _await_straggler(self) -> None:
+        """Wait for a lead() left behind at its bound, still cancelling it."""
         duty = self._straggler
+        said = -math.inf
         while duty is not None and not duty.done():
-            log.warning("elector %r: the previous lead() has not finished; not campaigning "
-                        "until it does", self.name)
-            await asyncio.wait({duty}, timeout=self.ttl)
+            if time.monotonic() - said >= self.ttl:
+                said = time.monotonic()
+                log.warning("elector %r: the previous lead() has not finished; not campaigning "
+                            "until it does", self.name)
+            duty.cancel()
+            await asyncio.wait({duty}, timeout=RECANCEL_EVERY)
+        if duty is not None and not duty.cancelled() and (error := duty.exception()) is not None:
+            log.error("elector %r: the previous lead() raised", self.name, exc_info=error)
         self._straggler = None
 
     async def stop(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import sys
 import time
@@ -216,4 +217,7 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
 
 if __name__ == "__main__":
     LABEL = sys.argv[5]
+    # pgcoord's warnings (a leader stepping down, and why) with the events' clock.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
+                        format="LOG %(created).6f %(name)s %(levelname)s %(message)s")
     asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[6])))

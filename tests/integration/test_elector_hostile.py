@@ -139,15 +139,18 @@ async def test_lead_that_ignores_cancellation_does_not_hold_up_the_handover(
         stubborn_terms.append(fence)
         running += 1
         most = max(most, running)
+        cancelled = False
         try:
             while True:
                 try:
+                    if cancelled:
+                        await release_stubborn.wait()
+                        raise asyncio.CancelledError
                     await asyncio.sleep(3600)
                 except asyncio.CancelledError:
                     if release_stubborn.is_set():
                         raise
-                    await release_stubborn.wait()
-                    raise
+                    cancelled = True  # this one and every one after it, ignored
         finally:
             running -= 1
 
@@ -175,6 +178,119 @@ async def test_lead_that_ignores_cancellation_does_not_hold_up_the_handover(
         await follower.stop()
     await first_task
     await follower_task
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_lead_that_takes_its_cancellation_for_an_error_is_cancelled_again(
+    driver: str, dsn: str,
+) -> None:
+    """What the failover test caught (test_ha.py): lead() retries its fenced writes on
+    database errors, and its driver turned the elector's cancellation into one.
+    psycopg does that when a connection breaks during a cancelled statement (its
+    AsyncConnection.wait() sends a cancel, waits for the statement, and raises
+    OperationalError), as a failover breaks every connection at the moment the
+    elector's session is lost. lead() below turns its first cancellation into that
+    error, as psycopg would; the elector asks again, so it ends at once rather than
+    at the 5 s bound, still leading as far as it knows."""
+    terms: list[int] = []
+    ended: list[float] = []
+    errors = 0
+
+    async def retrying(fence: int) -> None:
+        nonlocal errors
+        terms.append(fence)
+        try:
+            while True:
+                try:
+                    try:
+                        await asyncio.sleep(3600)  # a fenced write in flight
+                    except asyncio.CancelledError:
+                        if errors:
+                            raise
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+                except psycopg.OperationalError:
+                    errors += 1
+                    await asyncio.sleep(0.02)  # and try the write again
+        finally:
+            ended.append(time.monotonic())
+
+    elector = pgcoord.Elector(dsn, unique("elector:retrying"), ttl=2.0, driver=driver)
+    task = asyncio.create_task(elector.run(retrying))
+    try:
+        await until(lambda: elector.is_leader and terms, 10)
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            lost_at = time.monotonic()
+            admin.execute("select pg_terminate_backend(%s)",
+                          (elector._conn.backend_pid,))  # type: ignore[union-attr]
+        await until(lambda: ended, 6)
+        assert errors == 1  # the first cancellation was taken for an error
+        assert ended[0] - lost_at < 2.0, "lead() ran on until the elector's bound"
+    finally:
+        await elector.stop()
+    await task
+
+
+async def test_a_graceful_stop_leaves_leads_cleanup_the_rest_of_the_trust_window(dsn: str) -> None:
+    """Cancelled again only once the window has closed: on stop() the lease is still
+    ours, so a cleanup in lead() that takes a moment is not cut short."""
+    cleaned: list[int] = []
+
+    async def lead(fence: int) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.3)  # e.g. flushing what this term wrote
+            cleaned.append(fence)
+
+    elector = pgcoord.Elector(dsn, unique("elector:cleanup"), ttl=4.0)
+    task = asyncio.create_task(elector.run(lead))
+    try:
+        await until(lambda: elector.is_leader, 10)
+        await asyncio.sleep(0.1)
+    finally:
+        await elector.stop()
+    await task
+    assert len(cleaned) == 1
+
+
+async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for_an_error(
+    dsn: str,
+) -> None:
+    """At the default ttl the trust window outlasts the 5 s bound after which the lease
+    is released anyway: lead() is cancelled again from halfway to the bound, so it has
+    ended before the row is given up, not beside the next leader."""
+    ended: list[float] = []
+    errors = 0
+
+    async def retrying(fence: int) -> None:
+        nonlocal errors
+        try:
+            while True:
+                try:
+                    try:
+                        await asyncio.sleep(3600)
+                    except asyncio.CancelledError:
+                        if errors:
+                            raise
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+                except psycopg.OperationalError:
+                    errors += 1
+                    await asyncio.sleep(0.02)
+        finally:
+            ended.append(time.monotonic())
+
+    elector = pgcoord.Elector(dsn, unique("elector:graceful-retrying"), ttl=10.0)
+    task = asyncio.create_task(elector.run(retrying))
+    try:
+        await until(lambda: elector.is_leader, 10)
+        asked = time.monotonic()
+    finally:
+        await elector.stop()
+    stopped = time.monotonic()
+    await task
+    assert errors == 1 and ended, "lead() was never stopped"
+    assert ended[0] - asked < elector_module.LEAD_EXIT_TIMEOUT - 1.0, "ended only at the bound"
+    assert stopped >= ended[0]  # the lease was released after lead() had ended
 
 
 # -- beliefs ---------------------------------------------------------------------------------
