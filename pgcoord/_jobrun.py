@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import metrics
-from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, consume_result, finish_despite_cancel
+from ._aio import (
+    CLEANUP_TIMEOUT,
+    CleanupTimeout,
+    cancel_until_done,
+    consume_result,
+    finish_despite_cancel,
+)
 from ._cron import Job
 from ._drivers import run_statement
 from ._finisher import Finisher
@@ -135,8 +141,9 @@ class SlotRunner:
                 await asyncio.wait({body})
             except asyncio.CancelledError:
                 cancelled = True
-                body.cancel()
-                await asyncio.wait({body})  # the body's own cleanup (a rollback) runs first
+                # The body's own cleanup (a rollback) runs first, while the claim is
+                # still ours; past its trust window it is cancelled again until it ends.
+                await cancel_until_done(body, insist_from=lambda: run.claim.trust_until)
         finally:
             heartbeat.cancel()
             heartbeat.add_done_callback(consume_result)
@@ -261,21 +268,21 @@ class SlotRunner:
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
                 sent = time.monotonic()
                 if sent >= claim.trust_until:  # e.g. the process was paused
-                    self._lose(run, body, "its trust window closed before a heartbeat was sent")
+                    await self._cut_off(run, body, "its trust window closed before a heartbeat was sent")
                     return
                 attempt = asyncio.ensure_future(run_statement(
                     self._source, query("job_heartbeat"),
                     (spec.name, slot.at, run.runner, slot.attempt, int(spec.claim_ttl * 1000))))
                 done, _ = await asyncio.wait({attempt}, timeout=claim.trust_until - sent)
                 if not done:
-                    self._lose(run, body, "no heartbeat succeeded before its trust window closed")
+                    await self._cut_off(run, body, "no heartbeat succeeded before its trust window closed")
                     return
                 finished, attempt = attempt, None
                 error = finished.exception()
                 if error is None:
                     row = finished.result()
                     if row is None or not row[0]:
-                        self._lose(run, body, "the slot was taken over or its claim expired")
+                        await self._cut_off(run, body, "the slot was taken over or its claim expired")
                         return
                     claim.renewed(sent)
                     next_at = sent + spec.claim_ttl / 3
@@ -290,12 +297,31 @@ class SlotRunner:
                 attempt.add_done_callback(consume_result)
 
     def _lose(self, run: Run, body: asyncio.Task[Any], reason: str) -> None:
+        run.claim.trust_until = 0.0  # trusted no more: whoever waits for the body insists now
         if run.claim.lost is None:
             run.claim.lost = f"claim lost: {reason}"
             # By handler: schedules added at run time (one per tenant) would make the
             # label set unbounded.
             metrics.lock_lost(run.spec.handler or run.spec.name, reason)
-        body.cancel(f"pgcoord: job {run.spec.name!r} slot {run.slot.key}: {run.claim.lost}")
+        body.cancel(self._cut_message(run))
+
+    @staticmethod
+    def _cut_message(run: Run) -> str:
+        return f"pgcoord: job {run.spec.name!r} slot {run.slot.key}: {run.claim.lost}"
+
+    async def _cut_off(self, run: Run, body: asyncio.Task[Any], reason: str) -> None:
+        """Lose the claim and wait until the body has ended, cancelling it again
+        while it runs on (a driver may have turned the cancellation into an error
+        the job retries on): another runner may take the slot. Runs in the
+        heartbeat's task (or one ``_execute`` or the scheduler owns)."""
+        self._lose(run, body, reason)
+        await self._insist(run, body)
+
+    async def _insist(self, run: Run, body: asyncio.Task[Any]) -> None:
+        again = await cancel_until_done(body, msg=self._cut_message(run), cancel_now=False)
+        if again:
+            log.warning("job %r slot %s: the body went on after its cancellation; cancelled it "
+                        "%d more time(s)", run.spec.name, run.slot.at, again)
 
     async def _stop_runs(self) -> None:
         self._stopping = True

@@ -399,6 +399,10 @@ class Scheduler(SlotRunner):
             for run in list(self._running.values()):
                 if run.runner.endswith(suffix) and run.body is not None:
                     self._lose(run, run.body, "the member's session, which the claim is tied to, ended")
+                    cut = asyncio.ensure_future(self._insist(run, run.body))
+                    tasks.add(cut)
+                    cut.add_done_callback(tasks.discard)
+                    cut.add_done_callback(consume_result)
             # A change notified while the session is away is lost: tick (and read
             # the change counter) as soon as the member listens again, not at the
             # next tick, which may be `tick` seconds away.

@@ -204,6 +204,59 @@ async def test_a_retry_runner_stops_believing_before_its_claim_expires(
                     " where job = %s and slot_at = %s", job, slot_at) == [("succeeded", 3, "second")]
 
 
+async def test_a_body_that_takes_its_cancellation_for_an_error_is_cut_off_in_time(
+    dsn: str, pool: asyncpg.Pool,
+) -> None:
+    """The body retries on database errors, and the cancellation that cuts it off
+    comes back as one (psycopg raises OperationalError when the connection breaks
+    during a cancelled statement). The heartbeat cancels it again until it ends,
+    before the claim expires and another runner may start the slot."""
+    job = unique("recancel")
+    slot_at = plant_crashed_claim(dsn, job, "0 0 1 1 *")
+    held = HeldRow(dsn)
+    started = asyncio.Event()
+    ended: list[float] = []
+    errors = 0
+    s = Scheduler(pool, runner="first")
+
+    # claim_ttl 6 s: the trust margin (0.6 s) leaves room for the 0.1 s re-cancel and
+    # a loaded machine's event loop lag before the claim expires.
+    @s.cron(job, "0 0 1 1 *", on_crash="retry", max_attempts=5, claim_ttl=6.0)
+    async def retrying(slot: Slot) -> None:
+        nonlocal errors
+        started.set()
+        try:
+            while True:
+                try:
+                    try:
+                        await asyncio.sleep(30)  # a write in flight
+                    except asyncio.CancelledError:
+                        if errors:
+                            raise
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+                except psycopg.OperationalError:
+                    errors += 1
+                    await asyncio.sleep(0.02)  # and try it again
+        finally:
+            ended.append(time.time())
+
+    task = asyncio.create_task(s.run())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        await held.hold(job, slot_at)
+        assert held.claim_expires_at is not None
+        for _ in range(150):
+            if ended:
+                break
+            await asyncio.sleep(0.1)
+        assert ended and errors == 1, "the body went on after its claim was lost"
+        assert ended[0] < held.claim_expires_at.timestamp()
+        await s.stop()
+        await task
+    finally:
+        await held.release()
+
+
 async def test_a_transactional_retry_runner_rolls_back_when_its_claim_is_lost(
     dsn: str, pool: asyncpg.Pool,
 ) -> None:
