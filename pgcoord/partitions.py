@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _errmap, metrics
-from ._aio import finish_despite_cancel
+from ._aio import RECANCEL_EVERY, finish_despite_cancel
 from ._assignment import balanced
 from ._keys import lock_key
 from ._queries import query
@@ -91,13 +91,19 @@ Own = Callable[[Partition], Awaitable[Any]]
 class _Held:
     """A part this session holds: its fence, its trust window and its own() task."""
 
-    __slots__ = ("draining", "part", "task", "trust_until")
+    __slots__ = ("draining", "lost", "part", "stopping", "task", "told", "trust_until")
 
     def __init__(self, part: Partition, trust_until: float) -> None:
         self.part = part
         self.trust_until = trust_until
         self.task: asyncio.Task[None] | None = None
         self.draining = False
+        # Lost: another member may own the part now (our session ended, the part was
+        # taken over, or its trust window closed while we served). Its own() is then
+        # cancelled until it ends; a part given up in good order is cancelled once.
+        self.lost = False
+        self.stopping = False  # pgcoord cancelled its own(): an error now is not a failure
+        self.told = False  # logged that its own() went on after a cancellation
 
 
 class _SessionGone(Exception):
@@ -208,8 +214,8 @@ class Partitions:
         self._lost.set()
         self._news.set()
         for held in self._held.values():
-            held.trust_until = 0.0
-            _cancel_once(held.task)
+            held.trust_until, held.lost = 0.0, True
+            self._stop_own(held)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -304,15 +310,38 @@ class Partitions:
         is doing (a statement on the shared session may be slow to answer)."""
         while True:
             now = time.monotonic()
+            lingering = self._cancel_lost_again()
             for held in list(self._held.values()):
-                if not held.draining and held.trust_until <= now:
-                    if held.trust_until > 0.0:
-                        log.warning("partitions %r: part %d not renewed within its trust window; stopping it",
-                                    self.name, held.part.index)
-                    self._drain(held)
-                    self._news.set()
+                if held.trust_until <= now and not held.lost:
+                    held.lost = True
+                    lingering = True
+                    if not held.draining:
+                        if held.trust_until > 0.0:
+                            log.warning("partitions %r: part %d not renewed within its trust window; "
+                                        "stopping it", self.name, held.part.index)
+                        self._drain(held)
+                        self._news.set()
             upcoming = [h.trust_until for h in self._held.values() if not h.draining]
-            await asyncio.sleep(min(1.0, max(0.0, min(upcoming, default=now + 1.0) - now)) + 0.001)
+            pause = min(1.0, max(0.0, min(upcoming, default=now + 1.0) - now)) + 0.001
+            await asyncio.sleep(min(pause, RECANCEL_EVERY) if lingering else pause)
+
+    def _cancel_lost_again(self) -> bool:
+        """Cancel again each cancelled own() still running for a lost part: the part
+        may have a new owner by now, and a driver can turn a cancellation into an
+        error that own() retries on. (A part given up in good order is still ours
+        while its own() winds down: that one is cancelled once.) True while any
+        such own() runs."""
+        lingering = False
+        for held in list(self._held.values()):
+            task = held.task
+            if held.lost and held.stopping and task is not None and not task.done():
+                if not held.told:
+                    held.told = True
+                    log.warning("partitions %r: own(%s) went on after its cancellation; cancelling "
+                                "it again until it ends", self.name, held.part.name)
+                task.cancel()
+                lingering = True
+        return lingering
 
     async def _call(self, session: MemberSession, name: str, *args: Any) -> Any:
         if self._lost.is_set():
@@ -388,7 +417,16 @@ class Partitions:
 
     def _drain(self, held: _Held) -> None:
         held.draining = True
-        _cancel_once(held.task)
+        self._stop_own(held)
+
+    @staticmethod
+    def _stop_own(held: _Held) -> None:
+        """Cancel a part's own(), once (a second cancel would cut its cleanup short;
+        only a lost part's is cancelled again, by ``_cancel_lost_again``)."""
+        held.stopping = True
+        task = held.task
+        if task is not None and not task.done() and not task.cancelling():
+            task.cancel()
 
     def _next_deadline(self) -> float:
         now = time.monotonic()
@@ -483,7 +521,7 @@ class Partitions:
             elif h.part.index not in ours:
                 log.warning("partitions %r: part %d (fence %d) was taken over", self.name, h.part.index,
                             h.part.fence)
-                h.trust_until = 0.0
+                h.trust_until, h.lost = 0.0, True
                 self._drain(h)
 
     async def _release(self, session: MemberSession, parts: list[_Held]) -> None:
@@ -515,21 +553,32 @@ class Partitions:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
+                held = self._held.get(part.index)
+                if held is not None and held.stopping and held.task is asyncio.current_task():
+                    # We are stopping it: the error may be our cancellation come back
+                    # as one (a driver's, as the connection broke). Not restarted.
+                    log.warning("partitions %r: own(%s) ended with %r while being stopped",
+                                self.name, part.name, exc)
+                    raise asyncio.CancelledError from exc
                 log.exception("partitions %r: own(%s) failed; starting it again in %.0fs",
                               self.name, part.name, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_MAX)
 
     async def _stop_tasks(self) -> None:
-        """Cancel every own() (once: a second cancel would cut its cleanup short)
-        and wait for each to end, however long, saying so every few seconds."""
+        """Cancel every own() (once, unless its part is lost: a second cancel would
+        cut its cleanup short) and wait for each to end, however long, saying so
+        every few seconds."""
+        for held in self._held.values():
+            self._stop_own(held)
         tasks = {h.task for h in self._held.values() if h.task is not None and not h.task.done()}
-        for task in tasks:
-            _cancel_once(task)
+        said = time.monotonic()
         while tasks:
-            _done, tasks = await asyncio.wait(tasks, timeout=5.0)
-            if tasks:
+            _done, tasks = await asyncio.wait(tasks, timeout=RECANCEL_EVERY)
+            self._cancel_lost_again()
+            if tasks and time.monotonic() - said >= 5.0:
+                said = time.monotonic()
                 log.warning("partitions %r: waiting for %d own() calls to finish after cancellation",
                             self.name, len(tasks))
 
@@ -573,8 +622,3 @@ class Partitions:
                 session.terminate()
             self._held.clear()
             metrics.parts_owned(self.name, 0)
-
-
-def _cancel_once(task: asyncio.Task[Any] | None) -> None:
-    if task is not None and not task.done() and not task.cancelling():
-        task.cancel()

@@ -287,17 +287,21 @@ async def test_a_part_under_constant_fenced_writes_stays_owned(dsn: str) -> None
 
 
 async def test_own_cleanups_run_to_their_end(dsn: str) -> None:
-    """A lost session cancels own() once (a second cancel would cut its cleanup), and
-    stopping waits for a cleanup longer than any bound before giving parts up."""
+    """After a lost session own() is cancelled until it ends (the part may have a new
+    owner already), so a cleanup that must finish shields itself; stopping cancels
+    own() once and waits for a cleanup longer than any bound before giving parts up."""
     name = pname()
     flushed: list[str] = []
+
+    async def flush(fence: int) -> None:
+        await asyncio.sleep(0.3)
+        flushed.append(f"session-{fence}")
 
     async def own(part: pgcoord.Partition) -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            await asyncio.sleep(0.3)
-            flushed.append(f"session-{part.fence}")
+            await asyncio.shield(flush(part.fence))
 
     async with pgcoord.Member(dsn, name="flusher", ttl=3.0) as member:
         parts = pgcoord.Partitions(member, name, count=2)
@@ -564,6 +568,63 @@ async def test_an_own_that_fails_is_started_again_while_its_part_stays_owned(dsn
             task = asyncio.create_task(parts.run(own))
             await eventually(lambda: len(calls) == 3, what="own() started three times")
             assert parts.owned == frozenset({0}) and len(set(calls)) == 1  # same ownership, same fence
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    finally:
+        partitions_module.RESTART_FIRST = old
+
+
+@pytest.mark.parametrize("fails_how", ["retries", "raises"])
+async def test_an_own_that_takes_its_cancellation_for_an_error_is_stopped(
+    dsn: str, fails_how: str,
+) -> None:
+    """A driver may turn the cancellation of a lost part's own() into an error (psycopg
+    does when the connection breaks during a cancelled statement, as when the server
+    goes). own() that retries on errors is cancelled again until it ends; one that
+    raises it is not started again. Either way it ends at once, not never."""
+    import pgcoord.partitions as partitions_module
+
+    ended: list[float] = []
+    starts: list[int] = []
+    errors = 0
+
+    async def own(part: pgcoord.Partition) -> None:
+        nonlocal errors
+        starts.append(part.fence)
+        try:
+            while True:
+                try:
+                    try:
+                        await asyncio.Event().wait()  # a write in flight
+                    except asyncio.CancelledError:
+                        if errors:
+                            raise
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+                except psycopg.OperationalError:
+                    errors += 1
+                    if fails_how == "raises":
+                        raise
+                    await asyncio.sleep(0.02)  # try the write again
+        finally:
+            ended.append(time.monotonic())
+
+    old = partitions_module.RESTART_FIRST
+    partitions_module.RESTART_FIRST = 0.05  # a restart, if any, would come at once
+    try:
+        async with pgcoord.Member(dsn, name="retrier", ttl=3.0) as member:
+            parts = pgcoord.Partitions(member, pname(), count=1)
+            task = asyncio.create_task(parts.run(own))
+            await eventually(lambda: parts.owned == frozenset({0}) and starts)
+            lost_fence = starts[0]
+            lost_at = time.monotonic()
+            sql(dsn, "select pg_terminate_backend(%s)", member._main.backend_pid)  # type: ignore[union-attr]
+            await eventually(lambda: ended, timeout=5.0, what="own() ended")
+            assert errors == 1 and ended[0] - lost_at < 2.0
+            # Owned again after the rejoin, under a new fence; never started again
+            # under the lost one.
+            await eventually(lambda: any(f > lost_fence for f in starts), timeout=10.0)
+            assert starts.count(lost_fence) == 1, starts
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
