@@ -313,8 +313,9 @@ class Carrier:
         log.warning("pgcoord LockHolder session (pid %s) lost: %s; %d lock(s) lost",
                     self.conn.backend_pid, reason, len(self.holding))
         for held, task in list(self.holding.items()):
-            held.lost_reason = reason
-            task.cancel(f"pgcoord: lock {held.request.describe()} lost: {reason}")
+            if held.lost_reason is None:  # else already told (the holder is closing): once
+                held.lost_reason = reason
+                task.cancel(f"pgcoord: lock {held.request.describe()} lost: {reason}")
         if self._probe is not None and self._probe is not asyncio.current_task():
             self._probe.cancel()
         self.holder._drop(self)

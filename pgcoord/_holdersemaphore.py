@@ -440,8 +440,7 @@ class HeldSemaphore:
                         carrier.wake_keys.add(request.key)
                 self.carrier = self.lane = None
                 metrics.lock_lost(request.name, self.lost_reason)
-                if isinstance(exc, asyncio.CancelledError):
-                    absorb_cancel()
+                absorb_cancel()  # ours, whatever came of it (see HeldLock.__aexit__)
                 raise LockLost(f"{request.describe()} lost: {self.lost_reason}") from exc
             self.carrier = self.lane = None
             if carrier.lost:

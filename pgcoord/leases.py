@@ -242,6 +242,7 @@ class Lease:
         self._lost: str | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._body: asyncio.Task[Any] | None = None
+        self._body_cancelled = False
         metrics.warm_up()
 
     @property
@@ -482,6 +483,7 @@ class Lease:
         metrics.lock_lost(self.name, reason)
         log.warning("lease %r (fence %s) lost: %s", self.name, self.fence, reason)
         if self._body is not None:
+            self._body_cancelled = True
             self._body.cancel(f"pgcoord: lease {self.name!r} lost: {reason}")
 
     # -- release ------------------------------------------------------------------------------
@@ -547,10 +549,13 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         self._body = None
-        lost = self._lost
+        lost, cancelled, self._body_cancelled = self._lost, self._body_cancelled, False
         await self.release()
         if lost is not None:
-            if isinstance(exc, asyncio.CancelledError):
+            # Our cancellation of the body is withdrawn whatever came of it: also when
+            # a driver turned it into an error, so that the task's cancelling() count
+            # is its own again.
+            if cancelled or isinstance(exc, asyncio.CancelledError):
                 absorb_cancel()
             raise LeaseLost(f"lease {self.name!r} lost: {lost}") from exc
 

@@ -498,8 +498,10 @@ class HeldLock:
         try:
             if self.lost_reason is not None:
                 metrics.lock_lost(request.metric_name, self.lost_reason)
-                if isinstance(exc, asyncio.CancelledError):
-                    absorb_cancel()
+                # Our cancellation of the body is withdrawn whatever came of it: also
+                # when a driver turned it into an error, or the body caught it, so that
+                # the task's cancelling() count is its own again.
+                absorb_cancel()
                 raise LockLost(f"lock {request.describe()} lost: {self.lost_reason}") from exc
             if carrier.dedicated:
                 await holder._retire(carrier)

@@ -256,6 +256,37 @@ async def test_terminated_backend_cancels_the_body_with_lock_lost(dsn: str, driv
     assert advisory_locks(dsn) == []
 
 
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_loss_taken_for_an_error_leaves_the_task_not_cancelling(dsn: str, driver: str) -> None:
+    """The body's cancellation came back as an error (a driver's, as the connection
+    broke): LockLost still comes, and pgcoord's cancellation is withdrawn (the task's
+    cancelling() count is 0 again), as when the body let CancelledError through."""
+    async with pgcoord.LockHolder(dsn, driver=driver, keepalive=1.0) as holder:
+        pid = holder.backend_pid
+        holding = asyncio.Event()
+
+        async def body() -> int:
+            try:
+                async with holder.lock("holder:converted", wait=False):
+                    holding.set()
+                    try:
+                        await asyncio.sleep(30)
+                    except asyncio.CancelledError:
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+            except pgcoord.LockLost:
+                current = asyncio.current_task()
+                assert current is not None
+                return current.cancelling()
+            return -1
+
+        task = asyncio.create_task(body())
+        await holding.wait()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("select pg_terminate_backend(%s)", (pid,))
+        assert await asyncio.wait_for(task, 10) == 0
+    assert advisory_locks(dsn) == []
+
+
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[EmbeddedServer]:
     """A server of our own: restarted by tests, with a small lock table."""

@@ -116,6 +116,37 @@ async def test_a_takeover_cancels_the_body_with_lease_lost(dsn: str) -> None:
         assert not lease.valid
 
 
+async def test_a_loss_taken_for_an_error_leaves_the_task_not_cancelling(dsn: str) -> None:
+    """A driver may turn the body's cancellation into an error (psycopg before 3.3, as a
+    connection breaks). LeaseLost still comes, and the cancellation pgcoord sent is
+    withdrawn: the task's cancelling() count is back to 0, so an enclosing TaskGroup or
+    timeout, or a later retry loop that checks it, is not misled."""
+    name = unique("lease:converted")
+    async with open_async("asyncpg-pool", dsn) as source:
+        lease = pgcoord.Lease(source, name, ttl=3.0)
+        holding = asyncio.Event()
+
+        async def body() -> int:
+            try:
+                async with lease:
+                    holding.set()
+                    try:
+                        await asyncio.sleep(30)
+                    except asyncio.CancelledError:
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+            except pgcoord.LeaseLost:
+                current = asyncio.current_task()
+                assert current is not None
+                return current.cancelling()
+            return -1
+
+        task = asyncio.create_task(body())
+        await holding.wait()
+        sql(dsn, "update pgcoord.leases set expires_at = clock_timestamp() where name = %s", name)
+        sql(dsn, "select * from pgcoord.lease_acquire(%s, 'usurper', 60000, null)", name)
+        assert await asyncio.wait_for(task, 10) == 0
+
+
 async def test_a_transient_renewal_error_is_not_a_loss(
     dsn: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
