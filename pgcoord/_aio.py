@@ -196,6 +196,19 @@ async def cancel_until_done(task: asyncio.Task[Any], *,
     return again
 
 
+def keep_cancelling(task: asyncio.Task[Any], msg: str | None = None) -> None:
+    """For a task whose waiter gives up on it (a bound reached, the waiter itself
+    cancelled): go on cancelling it every ``RECANCEL_EVERY`` seconds until it ends,
+    without anyone waiting. Kept alive here, as abandoned cleanups are; it ends
+    with the task."""
+    if task.done():
+        return
+    insisting = asyncio.ensure_future(cancel_until_done(task, msg=msg))
+    _abandoned.add(insisting)
+    insisting.add_done_callback(_abandoned.discard)
+    insisting.add_done_callback(consume_result)
+
+
 def consume_result(task: asyncio.Future[Any]) -> None:
     """Done-callback for an abandoned task: read its outcome so asyncio does not
     log "exception was never retrieved" for a failure we already acted on."""

@@ -28,6 +28,7 @@ from ._aio import (
     cancel_until_done,
     consume_result,
     finish_despite_cancel,
+    keep_cancelling,
 )
 from ._cron import Job
 from ._drivers import run_statement
@@ -83,7 +84,10 @@ class Claim:
         self.renewed(sent_at)
 
     def renewed(self, sent_at: float) -> None:
-        """A claim or heartbeat sent at ``sent_at`` (monotonic) succeeded."""
+        """A claim or heartbeat sent at ``sent_at`` (monotonic) succeeded. Once the
+        claim is lost, a heartbeat that was in flight changes nothing."""
+        if self.lost is not None:
+            return
         self.sent_at = sent_at
         self.trust_until = sent_at + self.ttl - trust_margin(self.ttl)
 
@@ -142,13 +146,19 @@ class SlotRunner:
             except asyncio.CancelledError:
                 cancelled = True
                 # The body's own cleanup (a rollback) runs first, while the claim is
-                # still ours; past its trust window it is cancelled again until it ends.
-                await cancel_until_done(body, insist_from=lambda: run.claim.trust_until)
+                # still ours: it is cancelled again from the sooner of the claim's
+                # window closing and halfway to the stop's bound (at once if the
+                # claim is lost), so that it has ended before the heartbeat stops.
+                calm_until = time.monotonic() + CLEANUP_TIMEOUT / 2
+                await cancel_until_done(body, insist_from=lambda: min(run.claim.trust_until, calm_until))
         finally:
             heartbeat.cancel()
             heartbeat.add_done_callback(consume_result)
-            if not body.done():  # cancelled twice while the body was stopping: leave it
+            if not body.done():
+                # Cancelled twice while the body was stopping: nobody renews its claim
+                # from here on, so go on cancelling it without waiting.
                 body.add_done_callback(consume_result)
+                keep_cancelling(body)
         outcome, reason, error = self._outcome(run, body, cancelled)
         recorded: str | None = None
         try:
@@ -184,6 +194,14 @@ class SlotRunner:
                 return "stopped", None, None
             return "failed", None, "CancelledError: the job was cancelled"
         exc = body.exception()
+        if run.claim.lost is not None and exc is not None and not isinstance(exc, _TimedOut | _Superseded):
+            # Cut off, and the cancellation came back as an error (a driver's, as the
+            # connection broke): as for a cancelled body. (One that returned is
+            # recorded below; job_finish checks that the attempt still holds the slot.)
+            log.warning("job %r slot %s attempt %d was cut off: %s; it ended with %r; nothing is "
+                        "recorded, the claim expires", spec.name, slot.at, slot.attempt,
+                        run.claim.lost, exc)
+            return None, None, None
         if isinstance(exc, _Superseded):
             log.warning("job %r slot %s attempt %d was taken over; its result is discarded",
                         spec.name, slot.at, slot.attempt)

@@ -257,6 +257,48 @@ async def test_a_body_that_takes_its_cancellation_for_an_error_is_cut_off_in_tim
         await held.release()
 
 
+async def test_stop_ends_a_body_that_takes_its_cancellation_for_an_error(
+    dsn: str, pool: asyncpg.Pool,
+) -> None:
+    """On stop() the body's cleanup has a moment while the claim is still ours, then it
+    is cancelled again: one whose driver turned the cancellation into an error it
+    retries on has ended well before the stop's bound (after which nobody would renew
+    its claim while it ran on)."""
+    job = unique("recancel-stop")
+    started = asyncio.Event()
+    ended: list[float] = []
+    errors = 0
+    s = Scheduler(pool, runner="stopping")
+
+    @s.cron(job, "* * * * * *", claim_ttl=30.0)
+    async def retrying(slot: Slot) -> None:
+        nonlocal errors
+        started.set()
+        try:
+            while True:
+                try:
+                    try:
+                        await asyncio.sleep(3600)
+                    except asyncio.CancelledError:
+                        if errors:
+                            raise
+                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
+                except psycopg.OperationalError:
+                    errors += 1
+                    await asyncio.sleep(0.02)
+        finally:
+            ended.append(time.monotonic())
+
+    task = asyncio.create_task(s.run())
+    await asyncio.wait_for(started.wait(), 10)
+    asked = time.monotonic()
+    await s.stop(drain=0)
+    await task
+    assert errors == 1 and ended, "the body was never stopped"
+    assert ended[0] - asked < 5.0
+    assert sql(dsn, "select state from pgcoord.job_slots where job = %s and state = 'running'", job) == []
+
+
 async def test_a_transactional_retry_runner_rolls_back_when_its_claim_is_lost(
     dsn: str, pool: asyncpg.Pool,
 ) -> None:
