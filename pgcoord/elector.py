@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Coroutine
@@ -47,13 +46,13 @@ from . import _errmap, metrics
 from ._aio import (
     CLEANUP_TIMEOUT,
     END_OF_STREAM,
-    RECANCEL_EVERY,
     CleanupTimeout,
     Subscription,
     absorb_cancel,
     cancel_until_done,
     consume_result,
     finish_despite_cancel,
+    keep_cancelling,
 )
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
@@ -600,6 +599,7 @@ class Elector:
                       "resigning without it (its fence is stale; this replica leads again only "
                       "after it ends)", self.name, LEAD_EXIT_TIMEOUT)
             self._straggler = duty
+            keep_cancelling(duty)  # also while resigning, and after stop()
 
     async def _resign_bounded(self, fence: int, rang: bool) -> None:
         bound = RESIGN_TIMEOUT
@@ -685,16 +685,12 @@ class Elector:
                 queue.put_nowait(END_OF_STREAM)
 
     async def _await_straggler(self) -> None:
-        """Wait for a lead() left behind at its bound, still cancelling it."""
+        """Wait for a lead() left behind at its bound (``keep_cancelling`` cancels it)."""
         duty = self._straggler
-        said = -math.inf
         while duty is not None and not duty.done():
-            if time.monotonic() - said >= self.ttl:
-                said = time.monotonic()
-                log.warning("elector %r: the previous lead() has not finished; not campaigning "
-                            "until it does", self.name)
-            duty.cancel()
-            await asyncio.wait({duty}, timeout=RECANCEL_EVERY)
+            log.warning("elector %r: the previous lead() has not finished; not campaigning "
+                        "until it does", self.name)
+            await asyncio.wait({duty}, timeout=self.ttl)
         if duty is not None and not duty.cancelled() and (error := duty.exception()) is not None:
             log.error("elector %r: the previous lead() raised", self.name, exc_info=error)
         self._straggler = None

@@ -259,7 +259,9 @@ async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for
     """At the default ttl the trust window outlasts the 5 s bound after which the lease
     is released anyway: lead() is cancelled again from halfway to the bound, so it has
     ended before the row is given up, not beside the next leader."""
+    name = unique("elector:graceful-retrying")
     ended: list[float] = []
+    holder_when_ended: list[Any] = []
     errors = 0
 
     async def retrying(fence: int) -> None:
@@ -278,8 +280,9 @@ async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for
                     await asyncio.sleep(0.02)
         finally:
             ended.append(time.monotonic())
+            holder_when_ended.extend(sql(dsn, "select holder from pgcoord.leases where name = %s", name))
 
-    elector = pgcoord.Elector(dsn, unique("elector:graceful-retrying"), ttl=10.0)
+    elector = pgcoord.Elector(dsn, name, ttl=10.0, holder="graceful")
     task = asyncio.create_task(elector.run(retrying))
     try:
         await until(lambda: elector.is_leader, 10)
@@ -290,7 +293,9 @@ async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for
     await task
     assert errors == 1 and ended, "lead() was never stopped"
     assert ended[0] - asked < elector_module.LEAD_EXIT_TIMEOUT - 1.0, "ended only at the bound"
-    assert stopped >= ended[0]  # the lease was released after lead() had ended
+    # The lease was still this replica's when lead() ended: released only after it.
+    assert holder_when_ended == [("graceful",)]
+    assert stopped >= ended[0]
 
 
 # -- beliefs ---------------------------------------------------------------------------------
