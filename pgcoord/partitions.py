@@ -154,6 +154,7 @@ class Partitions:
         self._holder: str | None = None  # "<member name>/<member id>" for this session
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
+        self._watch = asyncio.Event()  # wakes the watchdog: a part was lost
         self._running = False
         self._renew_at = 0.0
         self._own: Own | None = None
@@ -321,9 +322,16 @@ class Partitions:
                                         "stopping it", self.name, held.part.index)
                         self._drain(held)
                         self._news.set()
-            upcoming = [h.trust_until for h in self._held.values() if not h.draining]
+            upcoming = [h.trust_until for h in self._held.values() if not h.lost]
             pause = min(1.0, max(0.0, min(upcoming, default=now + 1.0) - now)) + 0.001
-            await asyncio.sleep(min(pause, RECANCEL_EVERY) if lingering else pause)
+            self._watch.clear()
+            # asyncio.wait, not wait_for: on 3.11 wait_for can swallow our own
+            # cancellation when the event is set at the same moment.
+            woken = asyncio.ensure_future(self._watch.wait())
+            try:
+                await asyncio.wait({woken}, timeout=min(pause, RECANCEL_EVERY) if lingering else pause)
+            finally:
+                woken.cancel()
 
     def _cancel_lost_again(self) -> bool:
         """Cancel again each cancelled own() still running for a lost part: the part
@@ -523,6 +531,7 @@ class Partitions:
                             h.part.fence)
                 h.trust_until, h.lost = 0.0, True
                 self._drain(h)
+                self._watch.set()
 
     async def _release(self, session: MemberSession, parts: list[_Held]) -> None:
         assert self._holder is not None
