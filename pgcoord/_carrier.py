@@ -315,6 +315,7 @@ class Carrier:
         for held, task in list(self.holding.items()):
             if held.lost_reason is None:  # else already told (the holder is closing): once
                 held.lost_reason = reason
+                held.lost_in_own_task = task is asyncio.current_task()
                 task.cancel(f"pgcoord: lock {held.request.describe()} lost: {reason}")
         if self._probe is not None and self._probe is not asyncio.current_task():
             self._probe.cancel()

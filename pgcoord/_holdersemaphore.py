@@ -169,7 +169,8 @@ async def _listen(carrier: Carrier, callback: Callable[[str], None]) -> Callable
 class HeldSemaphore:
     """One semaphore slot held through a :class:`LockHolder`. Single use at a time."""
 
-    __slots__ = ("_entered", "carrier", "handed", "holder", "lane", "lost_reason", "request")
+    __slots__ = ("_entered", "carrier", "handed", "holder", "lane", "lost_in_own_task", "lost_reason",
+                 "request")
 
     def __init__(self, holder: LockHolder, request: SemaphoreRequest) -> None:
         self.holder = holder
@@ -177,6 +178,7 @@ class HeldSemaphore:
         self.carrier: Carrier | None = None
         self.lane: int | None = None
         self.lost_reason: str | None = None
+        self.lost_in_own_task = False  # see HeldLock
         #: Whether the lane's release on a member's session was handed to the
         #: background (by whoever came first: the carrier giving up, or the body).
         self.handed = False
@@ -210,6 +212,7 @@ class HeldSemaphore:
             self._entered = False
             raise
         self.carrier, self.lane, self.lost_reason, self.handed = carrier, lane, None, False
+        self.lost_in_own_task = False
         carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
         metrics.lock_wait(self.request.name, time.monotonic() - started)
         if carrier.dedicated:
@@ -440,7 +443,8 @@ class HeldSemaphore:
                         carrier.wake_keys.add(request.key)
                 self.carrier = self.lane = None
                 metrics.lock_lost(request.name, self.lost_reason)
-                absorb_cancel()  # ours, whatever came of it (see HeldLock.__aexit__)
+                if isinstance(exc, asyncio.CancelledError) or not self.lost_in_own_task:
+                    absorb_cancel()  # ours, whatever came of it (see HeldLock.__aexit__)
                 raise LockLost(f"{request.describe()} lost: {self.lost_reason}") from exc
             self.carrier = self.lane = None
             if carrier.lost:

@@ -555,7 +555,7 @@ class Lease:
             # Our cancellation of the body is withdrawn whatever came of it: also when
             # a driver turned it into an error, so that the task's cancelling() count
             # is its own again.
-            if cancelled or isinstance(exc, asyncio.CancelledError):
+            if cancelled:
                 absorb_cancel()
             raise LeaseLost(f"lease {self.name!r} lost: {lost}") from exc
 

@@ -388,13 +388,16 @@ class LockHolder:
 class HeldLock:
     """One session lock held through a :class:`LockHolder`. Single use at a time."""
 
-    __slots__ = ("_entered", "carrier", "holder", "lost_reason", "request")
+    __slots__ = ("_entered", "carrier", "holder", "lost_in_own_task", "lost_reason", "request")
 
     def __init__(self, holder: LockHolder, request: LockRequest) -> None:
         self.holder = holder
         self.request = request
         self.carrier: Carrier | None = None
         self.lost_reason: str | None = None
+        # Lost (and so cancelled) from the body's own task: that cancellation is
+        # pending until the body next awaits, so it is withdrawn only if it arrived.
+        self.lost_in_own_task = False
         self._entered = False
 
     async def __aenter__(self) -> HeldLock:
@@ -420,7 +423,7 @@ class HeldLock:
             holder._release_local(key)
             raise
         self.carrier = carrier
-        self.lost_reason = None
+        self.lost_reason, self.lost_in_own_task = None, False
         carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
         metrics.lock_wait(request.metric_name, time.monotonic() - started)
         if carrier.dedicated:
@@ -501,7 +504,8 @@ class HeldLock:
                 # Our cancellation of the body is withdrawn whatever came of it: also
                 # when a driver turned it into an error, or the body caught it, so that
                 # the task's cancelling() count is its own again.
-                absorb_cancel()
+                if isinstance(exc, asyncio.CancelledError) or not self.lost_in_own_task:
+                    absorb_cancel()
                 raise LockLost(f"lock {request.describe()} lost: {self.lost_reason}") from exc
             if carrier.dedicated:
                 await holder._retire(carrier)
