@@ -20,6 +20,7 @@ from pgcoord import elector as elector_module
 from pgcoord._embedded import EmbeddedServer
 
 from .conftest import sql, unique
+from .converted_cancel import Converting
 
 DRIVERS = ["asyncpg", "psycopg"]
 
@@ -192,39 +193,19 @@ async def test_a_lead_that_takes_its_cancellation_for_an_error_is_cancelled_agai
     elector's session is lost. lead() below turns its first cancellation into that
     error, as psycopg would; the elector asks again, so it ends at once rather than
     at the 5 s bound, still leading as far as it knows."""
-    terms: list[int] = []
-    ended: list[float] = []
-    errors = 0
-
-    async def retrying(fence: int) -> None:
-        nonlocal errors
-        terms.append(fence)
-        try:
-            while True:
-                try:
-                    try:
-                        await asyncio.sleep(3600)  # a fenced write in flight
-                    except asyncio.CancelledError:
-                        if errors:
-                            raise
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-                except psycopg.OperationalError:
-                    errors += 1
-                    await asyncio.sleep(0.02)  # and try the write again
-        finally:
-            ended.append(time.monotonic())
+    lead = Converting()
 
     elector = pgcoord.Elector(dsn, unique("elector:retrying"), ttl=2.0, driver=driver)
-    task = asyncio.create_task(elector.run(retrying))
+    task = asyncio.create_task(elector.run(lead))
     try:
-        await until(lambda: elector.is_leader and terms, 10)
+        await until(lambda: elector.is_leader and lead.starts, 10)
         with psycopg.connect(dsn, autocommit=True) as admin:
             lost_at = time.monotonic()
             admin.execute("select pg_terminate_backend(%s)",
                           (elector._conn.backend_pid,))  # type: ignore[union-attr]
-        await until(lambda: ended, 6)
-        assert errors == 1  # the first cancellation was taken for an error
-        assert ended[0] - lost_at < 2.0, "lead() ran on until the elector's bound"
+        await until(lambda: lead.ended, 6)
+        assert lead.errors == 1  # the first cancellation was taken for an error
+        assert lead.ended[0] - lost_at < 2.0, "lead() ran on until the elector's bound"
     finally:
         await elector.stop()
     await task
@@ -260,30 +241,12 @@ async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for
     is released anyway: lead() is cancelled again from halfway to the bound, so it has
     ended before the row is given up, not beside the next leader."""
     name = unique("elector:graceful-retrying")
-    ended: list[float] = []
     holder_when_ended: list[Any] = []
-    errors = 0
-
-    async def retrying(fence: int) -> None:
-        nonlocal errors
-        try:
-            while True:
-                try:
-                    try:
-                        await asyncio.sleep(3600)
-                    except asyncio.CancelledError:
-                        if errors:
-                            raise
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-                except psycopg.OperationalError:
-                    errors += 1
-                    await asyncio.sleep(0.02)
-        finally:
-            ended.append(time.monotonic())
-            holder_when_ended.extend(sql(dsn, "select holder from pgcoord.leases where name = %s", name))
+    lead = Converting(on_end=lambda: holder_when_ended.extend(
+        sql(dsn, "select holder from pgcoord.leases where name = %s", name)))
 
     elector = pgcoord.Elector(dsn, name, ttl=10.0, holder="graceful")
-    task = asyncio.create_task(elector.run(retrying))
+    task = asyncio.create_task(elector.run(lead))
     try:
         await until(lambda: elector.is_leader, 10)
         asked = time.monotonic()
@@ -291,11 +254,11 @@ async def test_a_graceful_stop_still_ends_a_lead_that_takes_its_cancellation_for
         await elector.stop()
     stopped = time.monotonic()
     await task
-    assert errors == 1 and ended, "lead() was never stopped"
-    assert ended[0] - asked < elector_module.LEAD_EXIT_TIMEOUT - 1.0, "ended only at the bound"
+    assert lead.errors == 1 and lead.ended, "lead() was never stopped"
+    assert lead.ended[0] - asked < elector_module.LEAD_EXIT_TIMEOUT - 1.0, "ended only at the bound"
     # The lease was still this replica's when lead() ended: released only after it.
     assert holder_when_ended == [("graceful",)]
-    assert stopped >= ended[0]
+    assert stopped >= lead.ended[0]
 
 
 # -- beliefs ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pgcoord
 from pgcoord._embedded import EmbeddedServer
 
 from .conftest import advisory_locks
+from .converted_cancel import cancelling_after_loss
 from .pgbouncer import PgBouncer
 from .proxy import FreezableProxy
 from .test_exclusive import Blocker, blocker  # noqa: F401 - fixture
@@ -264,22 +265,8 @@ async def test_a_loss_taken_for_an_error_leaves_the_task_not_cancelling(dsn: str
     async with pgcoord.LockHolder(dsn, driver=driver, keepalive=1.0) as holder:
         pid = holder.backend_pid
         holding = asyncio.Event()
-
-        async def body() -> int:
-            try:
-                async with holder.lock("holder:converted", wait=False):
-                    holding.set()
-                    try:
-                        await asyncio.sleep(30)
-                    except asyncio.CancelledError:
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-            except pgcoord.LockLost:
-                current = asyncio.current_task()
-                assert current is not None
-                return current.cancelling()
-            return -1
-
-        task = asyncio.create_task(body())
+        task = asyncio.create_task(cancelling_after_loss(
+            holder.lock("holder:converted", wait=False), holding, pgcoord.LockLost))
         await holding.wait()
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute("select pg_terminate_backend(%s)", (pid,))

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import pgcoord
 
 from .conftest import sql, unique
+from .converted_cancel import cancelling_after_loss
 from .sources import open_async
 
 
@@ -125,22 +126,7 @@ async def test_a_loss_taken_for_an_error_leaves_the_task_not_cancelling(dsn: str
     async with open_async("asyncpg-pool", dsn) as source:
         lease = pgcoord.Lease(source, name, ttl=3.0)
         holding = asyncio.Event()
-
-        async def body() -> int:
-            try:
-                async with lease:
-                    holding.set()
-                    try:
-                        await asyncio.sleep(30)
-                    except asyncio.CancelledError:
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-            except pgcoord.LeaseLost:
-                current = asyncio.current_task()
-                assert current is not None
-                return current.cancelling()
-            return -1
-
-        task = asyncio.create_task(body())
+        task = asyncio.create_task(cancelling_after_loss(lease, holding, pgcoord.LeaseLost))
         await holding.wait()
         sql(dsn, "update pgcoord.leases set expires_at = clock_timestamp() where name = %s", name)
         sql(dsn, "select * from pgcoord.lease_acquire(%s, 'usurper', 60000, null)", name)

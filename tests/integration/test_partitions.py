@@ -23,6 +23,7 @@ import pgcoord
 from pgcoord._assignment import balanced
 
 from .conftest import advisory_locks, sql
+from .converted_cancel import Converting
 
 DRIVERS = ["asyncpg", "psycopg"]
 
@@ -585,46 +586,29 @@ async def test_an_own_that_takes_its_cancellation_for_an_error_is_stopped(
     raises it is not started again. Either way it ends at once, not never."""
     import pgcoord.partitions as partitions_module
 
-    ended: list[float] = []
-    starts: list[int] = []
-    errors = 0
+    own = Converting(retries=fails_how == "retries")
+    fences: list[int] = []
 
-    async def own(part: pgcoord.Partition) -> None:
-        nonlocal errors
-        starts.append(part.fence)
-        try:
-            while True:
-                try:
-                    try:
-                        await asyncio.Event().wait()  # a write in flight
-                    except asyncio.CancelledError:
-                        if errors:
-                            raise
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-                except psycopg.OperationalError:
-                    errors += 1
-                    if fails_how == "raises":
-                        raise
-                    await asyncio.sleep(0.02)  # try the write again
-        finally:
-            ended.append(time.monotonic())
+    async def owning(part: pgcoord.Partition) -> None:
+        fences.append(part.fence)
+        await own()
 
     old = partitions_module.RESTART_FIRST
     partitions_module.RESTART_FIRST = 0.05  # a restart, if any, would come at once
     try:
         async with pgcoord.Member(dsn, name="retrier", ttl=3.0) as member:
             parts = pgcoord.Partitions(member, pname(), count=1)
-            task = asyncio.create_task(parts.run(own))
-            await eventually(lambda: parts.owned == frozenset({0}) and starts)
-            lost_fence = starts[0]
+            task = asyncio.create_task(parts.run(owning))
+            await eventually(lambda: parts.owned == frozenset({0}) and fences)
+            lost_fence = fences[0]
             lost_at = time.monotonic()
             sql(dsn, "select pg_terminate_backend(%s)", member._main.backend_pid)  # type: ignore[union-attr]
-            await eventually(lambda: ended, timeout=5.0, what="own() ended")
-            assert errors == 1 and ended[0] - lost_at < 2.0
+            await eventually(lambda: own.ended, timeout=5.0, what="own() ended")
+            assert own.errors == 1 and own.ended[0] - lost_at < 2.0
             # Owned again after the rejoin, under a new fence; never started again
             # under the lost one.
-            await eventually(lambda: any(f > lost_fence for f in starts), timeout=10.0)
-            assert starts.count(lost_fence) == 1, starts
+            await eventually(lambda: any(f > lost_fence for f in fences), timeout=10.0)
+            assert fences.count(lost_fence) == 1, fences
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

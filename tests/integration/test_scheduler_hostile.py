@@ -28,6 +28,7 @@ from pgcoord._drivers import run_statement
 from pgcoord.scheduler import Scheduler, Slot
 
 from .conftest import sql, unique
+from .converted_cancel import Converting
 from .sources import ASYNC_CONNS, open_async
 from .test_scheduler import plant_crashed_claim, register_in_the_past, run_for, slot_rows
 
@@ -215,30 +216,16 @@ async def test_a_body_that_takes_its_cancellation_for_an_error_is_cut_off_in_tim
     slot_at = plant_crashed_claim(dsn, job, "0 0 1 1 *")
     held = HeldRow(dsn)
     started = asyncio.Event()
-    ended: list[float] = []
-    errors = 0
+    ended_at: list[float] = []  # unix time, to compare with the claim's expiry
+    body = Converting(on_end=lambda: ended_at.append(time.time()))
     s = Scheduler(pool, runner="first")
 
     # claim_ttl 6 s: the trust margin (0.6 s) leaves room for the 0.1 s re-cancel and
     # a loaded machine's event loop lag before the claim expires.
     @s.cron(job, "0 0 1 1 *", on_crash="retry", max_attempts=5, claim_ttl=6.0)
     async def retrying(slot: Slot) -> None:
-        nonlocal errors
         started.set()
-        try:
-            while True:
-                try:
-                    try:
-                        await asyncio.sleep(30)  # a write in flight
-                    except asyncio.CancelledError:
-                        if errors:
-                            raise
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-                except psycopg.OperationalError:
-                    errors += 1
-                    await asyncio.sleep(0.02)  # and try it again
-        finally:
-            ended.append(time.time())
+        await body(slot)
 
     task = asyncio.create_task(s.run())
     try:
@@ -246,11 +233,11 @@ async def test_a_body_that_takes_its_cancellation_for_an_error_is_cut_off_in_tim
         await held.hold(job, slot_at)
         assert held.claim_expires_at is not None
         for _ in range(150):
-            if ended:
+            if ended_at:
                 break
             await asyncio.sleep(0.1)
-        assert ended and errors == 1, "the body went on after its claim was lost"
-        assert ended[0] < held.claim_expires_at.timestamp()
+        assert ended_at and body.errors == 1, "the body went on after its claim was lost"
+        assert ended_at[0] < held.claim_expires_at.timestamp()
         await s.stop()
         await task
     finally:
@@ -266,36 +253,21 @@ async def test_stop_ends_a_body_that_takes_its_cancellation_for_an_error(
     its claim while it ran on)."""
     job = unique("recancel-stop")
     started = asyncio.Event()
-    ended: list[float] = []
-    errors = 0
+    body = Converting()
     s = Scheduler(pool, runner="stopping")
 
     @s.cron(job, "* * * * * *", claim_ttl=30.0)
     async def retrying(slot: Slot) -> None:
-        nonlocal errors
         started.set()
-        try:
-            while True:
-                try:
-                    try:
-                        await asyncio.sleep(3600)
-                    except asyncio.CancelledError:
-                        if errors:
-                            raise
-                        raise psycopg.OperationalError("server closed the connection unexpectedly") from None
-                except psycopg.OperationalError:
-                    errors += 1
-                    await asyncio.sleep(0.02)
-        finally:
-            ended.append(time.monotonic())
+        await body(slot)
 
     task = asyncio.create_task(s.run())
     await asyncio.wait_for(started.wait(), 10)
     asked = time.monotonic()
     await s.stop(drain=0)
     await task
-    assert errors == 1 and ended, "the body was never stopped"
-    assert ended[0] - asked < 5.0
+    assert body.errors == 1 and body.ended, "the body was never stopped"
+    assert body.ended[0] - asked < 5.0
     assert sql(dsn, "select state from pgcoord.job_slots where job = %s and state = 'running'", job) == []
 
 
