@@ -99,7 +99,8 @@ async def test_electors_on_a_member_open_no_connection_of_their_own(dsn: str) ->
 
 async def test_a_leader_member_s_death_is_a_failover_within_milliseconds(dsn: str) -> None:
     async with replicas(dsn, 3, ttl=30) as reps:
-        await until(lambda: len(leaders(reps)) == 1, 10)
+        # is_leader turns true just before lead() starts: wait for the term itself.
+        await until(lambda: len(leaders(reps)) == 1 and leaders(reps)[0].terms, 10)
         old = leaders(reps)[0]
         fence = old.terms[-1]
         assert old.member._main is not None
@@ -116,7 +117,7 @@ async def test_a_leader_member_s_death_is_a_failover_within_milliseconds(dsn: st
 async def test_request_resign_steps_the_leader_down_gracefully(dsn: str, via: str) -> None:
     if via == "member":
         async with replicas(dsn, 2, ttl=30) as reps:
-            await until(lambda: len(leaders(reps)) == 1, 10)
+            await until(lambda: len(leaders(reps)) == 1 and leaders(reps)[0].terms, 10)
             old = leaders(reps)[0]
             fence = old.terms[-1]
             assert await request_resign(dsn, old.elector.name) is True
@@ -150,7 +151,7 @@ async def test_request_resign_steps_the_leader_down_gracefully(dsn: str, via: st
 
 async def test_watch_sees_every_change_of_leader(dsn: str) -> None:
     async with replicas(dsn, 3, ttl=30) as reps:
-        await until(lambda: len(leaders(reps)) == 1, 10)
+        await until(lambda: len(leaders(reps)) == 1 and leaders(reps)[0].terms, 10)
         watcher = next(r for r in reps if not r.elector.is_leader)
         changes = watcher.elector.watch()
         old = leaders(reps)[0]
