@@ -6,7 +6,7 @@ that bound, so the oldest venv really tests the bottom of each range.
 
 ``python .ci/versions.py show``: the versions installed in the running venv, and
 the PostgreSQL server the tests will start (one line each, for the CI log and the
-README's "Supported versions" table).
+table "Supported versions" in CONTRIBUTING.md).
 """
 
 from __future__ import annotations
