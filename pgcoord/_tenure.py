@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,11 @@ log = logging.getLogger("pgcoord.tenure")
 def trust_margin(window: float) -> float:
     """How much earlier than the server a holder stops believing: 10%, at most 1 s."""
     return min(window * 0.1, 1.0)
+
+
+def trusted_until(sent: float, window: float) -> float:
+    """The end of a trust window opened by a renewal sent at ``sent`` (monotonic)."""
+    return sent + window - trust_margin(window)
 
 
 def doorbell_key(name: str) -> int:
@@ -62,7 +68,7 @@ class TrustWindow:
         self.until = 0.0
 
     def trust(self, sent: float) -> None:
-        self.until = sent + self.window - trust_margin(self.window)
+        self.until = trusted_until(sent, self.window)
 
     def close(self) -> None:
         self.until = 0.0
@@ -131,16 +137,20 @@ async def keep_renewed(
     starved: Callable[[], str] | None = None,
 ) -> None:
     """Renew ``tenure`` every ``every`` seconds until it is lost (or this task is
-    cancelled, by a release).
-
-    ``renew()`` returns None when the row is no longer ours (expired or taken over)
-    and anything else when renewed (handed to ``on_renewed``). A renewal that raises
-    is tried again every ``retry_every`` seconds while the trust window is open,
-    unless ``fatal(error)`` says it cannot succeed; one that has not answered when
-    the window closes is given up on (``abandon()`` cuts its connection) and the
-    tenure is lost. ``starved()`` may add why it did not answer."""
+    cancelled, by a release): ``renew_once`` in a loop, for a holder whose renewals
+    run in a task of their own (a ``Lease``). A renewal in flight when this is
+    cancelled is cancelled and abandoned."""
+    next_at = tenure.renewed_at + every
     try:
-        await _renew_until_lost(tenure, renew, every, retry_every, abandon, fatal, on_renewed, starved)
+        while tenure.lost is None:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if tenure.lost is not None:
+                return
+            next_at, result = await renew_once(
+                tenure, renew, every=every, retry_every=retry_every, abandon=abandon, fatal=fatal,
+                starved=starved, abandon_on_cancel=True)
+            if result is not None and on_renewed is not None:
+                on_renewed(result)
     except Exception as exc:
         # Not the database (that is retried): a bug. The loop is over, so stop
         # believing now rather than when the window closes, unannounced.
@@ -148,53 +158,67 @@ async def keep_renewed(
         tenure.lose(f"the renewal loop failed: {exc!r}")
 
 
-async def _renew_until_lost(
-    tenure: Tenure, renew: Callable[[], Awaitable[Any]], every: float, retry_every: float,
-    abandon: Callable[[], None] | None, fatal: Callable[[BaseException], bool] | None,
-    on_renewed: Callable[[Any], None] | None, starved: Callable[[], str] | None,
-) -> None:
-    next_at = tenure.renewed_at + every
-    while tenure.lost is None:
-        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-        if tenure.lost is not None:
-            return
-        sent = time.monotonic()
-        attempt = asyncio.ensure_future(renew())
-        try:
-            done, _ = await asyncio.wait({attempt}, timeout=max(0.0, tenure.trust.until - sent))
-        finally:
-            if not attempt.done():  # given up at the window's close, or we were cancelled
-                attempt.cancel()
-                if abandon is not None:
-                    abandon()
-                attempt.add_done_callback(consume_result)
-        if not done:
-            tenure.lose("no renewal succeeded before the trust window closed"
-                        + (starved() if starved is not None else ""))
-            return
-        error = attempt.exception()
-        if error is None:
-            result = attempt.result()
-            if result is None:
-                tenure.lose("the lease expired or was taken over")
-                return
-            metrics.renewal(tenure.name, time.monotonic() - sent, sent - tenure.renewed_at)
-            tenure.renewed_at = sent
-            tenure.trust.trust(sent)
-            next_at = sent + every
-            if on_renewed is not None:
-                on_renewed(result)
-            continue
-        if fatal is not None and fatal(error):
-            tenure.lose(f"renewal failed: {error}")
-            return
-        # Not a loss while the trust window is open: try again soon.
-        log.warning("renewing %r failed, retrying: %r", tenure.name, error)
-        left = tenure.trust.left()
-        if left <= 0.0:
-            tenure.lose(f"renewal failed until the trust window closed: {error!r}")
-            return
-        next_at = time.monotonic() + min(retry_every, left)
+async def renew_once(
+    tenure: Tenure,
+    renew: Callable[[], Awaitable[Any]],
+    *,
+    every: float,
+    retry_every: float,
+    abandon: Callable[[], None] | None = None,
+    fatal: Callable[[BaseException], bool] | None = None,
+    starved: Callable[[], str] | None = None,
+    abandon_on_cancel: bool = False,
+) -> tuple[float, Any]:
+    """One renewal of ``tenure``, bounded by its trust window; returns when the next
+    one is due and what ``renew()`` returned (None unless renewed).
+
+    ``renew()`` returns None when the row is no longer ours (expired or taken over)
+    and anything else when renewed. A renewal that raises is tried again
+    ``retry_every`` seconds later while the trust window is open, unless
+    ``fatal(error)`` says it cannot succeed; one that has not answered when the
+    window closes is given up on (``abandon()`` cuts its connection) and the tenure
+    is lost (``starved()`` may add why). After a loss the next time is infinite.
+    Cancelled meanwhile, the renewal in flight is left to finish, unless
+    ``abandon_on_cancel`` (then it is cancelled and abandoned)."""
+    sent = time.monotonic()
+    attempt = asyncio.ensure_future(renew())
+    try:
+        done, _ = await asyncio.wait({attempt}, timeout=max(0.0, tenure.trust.until - sent))
+    except asyncio.CancelledError:
+        if abandon_on_cancel:
+            attempt.cancel()
+            if abandon is not None:
+                abandon()
+        attempt.add_done_callback(consume_result)
+        raise
+    if not done:
+        attempt.cancel()
+        attempt.add_done_callback(consume_result)
+        if abandon is not None:
+            abandon()
+        tenure.lose("no renewal succeeded before the trust window closed"
+                    + (starved() if starved is not None else ""))
+        return math.inf, None
+    error = attempt.exception()
+    if error is None:
+        result = attempt.result()
+        if result is None:
+            tenure.lose("the lease expired or was taken over")
+            return math.inf, None
+        metrics.renewal(tenure.name, time.monotonic() - sent, sent - tenure.renewed_at)
+        tenure.renewed_at = sent
+        tenure.trust.trust(sent)
+        return sent + every, result
+    if fatal is not None and fatal(error):
+        tenure.lose(f"renewal failed: {error}")
+        return math.inf, None
+    # Not a loss while the trust window is open: try again soon.
+    log.warning("renewing %r failed, retrying: %r", tenure.name, error)
+    left = tenure.trust.left()
+    if left <= 0.0:
+        tenure.lose(f"renewal failed until the trust window closed: {error!r}")
+        return math.inf, None
+    return time.monotonic() + min(retry_every, left), None
 
 
 class MemberBell:
