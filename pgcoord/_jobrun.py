@@ -35,7 +35,7 @@ from ._drivers import run_statement
 from ._finisher import Finisher
 from ._keys import lock_key
 from ._queries import query
-from .leases import trust_margin
+from ._tenure import trusted_until
 from .locks import exclusive
 
 log = logging.getLogger("pgcoord.scheduler")
@@ -89,7 +89,7 @@ class Claim:
         if self.lost is not None:
             return
         self.sent_at = sent_at
-        self.trust_until = sent_at + self.ttl - trust_margin(self.ttl)
+        self.trust_until = trusted_until(sent_at, self.ttl)
 
 
 @dataclass(eq=False)

@@ -58,8 +58,9 @@ from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._listen import listen
 from ._queries import query
+from ._tenure import Tenure, renew_once
 from .errors import PgcoordError, SchemaMissing
-from .leases import lock_timeout_setting, trust_margin, validate_holder, validate_name, validate_ttl
+from .leases import lock_timeout_setting, validate_holder, validate_name, validate_ttl
 
 if TYPE_CHECKING:
     from .member import Member
@@ -151,7 +152,7 @@ class Elector:
         self._doorbell = lock_key(self._doorbell_name)
         self._leading = False
         self._fence: int | None = None
-        self._trust_until = 0.0
+        self._tenure: Tenure | None = None  # the current (or last) term
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
         self._closing: set[asyncio.Future[Any]] = set()
@@ -179,7 +180,8 @@ class Elector:
         """True while this replica leads: it won the lease, its session is alive and
         its trust window is open. Read on the monotonic clock at each access, so after
         a pause past the window it reads False at once, before the loop has run."""
-        return (self._leading and time.monotonic() < self._trust_until
+        tenure = self._tenure
+        return (self._leading and tenure is not None and tenure.trust.is_open()
                 and not (self._lost is not None and self._lost.is_set()))
 
     @property
@@ -473,10 +475,11 @@ class Elector:
         else:
             window = self._idle_ms / 1000
         self._resign_asked = None
-        trust_until = sent + window - trust_margin(window)
+        tenure = Tenure(self.name, window)
+        tenure.taken(fence, sent)
         every = min(self.ttl, window) / 3  # renew well inside the trust window
-        last_renewal, next_renewal = sent, sent + every
-        self._trust_until, self._fence, self._leading = trust_until, fence, True
+        next_renewal = sent + every
+        self._tenure, self._fence, self._leading = tenure, fence, True
         duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
         self._duty = duty
         metrics.leadership(self.name, True, fence)
@@ -484,9 +487,13 @@ class Elector:
         assert self._lost is not None
         lost_waiter = asyncio.create_task(self._lost.wait())
         reason = "lead() returned"
+
+        async def renew() -> Any:
+            return await self._call(query("lease_renew_resign"), self.name, self.holder, fence, self._ttl_ms)
+
         try:
             while True:
-                timeout = max(0.0, min(next_renewal, trust_until) - time.monotonic())
+                timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
                 news = asyncio.ensure_future(self._news.wait())
                 try:
                     await asyncio.wait({duty, lost_waiter, news}, timeout=timeout,
@@ -502,43 +509,22 @@ class Elector:
                 if self._resign_asked == fence:
                     reason = "a resign was requested"
                     break
-                now = time.monotonic()
-                if now >= trust_until:
+                if not tenure.trust.is_open():
                     reason = "no renewal succeeded within the trust window"
                     break
-                if now < next_renewal:
+                if time.monotonic() < next_renewal:
                     continue
-                attempt_sent = time.monotonic()
-                attempt = asyncio.ensure_future(self._call(
-                    query("lease_renew_resign"), self.name, self.holder, fence, self._ttl_ms))
-                done, _ = await asyncio.wait({attempt}, timeout=max(0.0, trust_until - attempt_sent))
-                if not done:
-                    attempt.cancel()
-                    attempt.add_done_callback(consume_result)
-                    # A session that cannot renew in time is of no more use: cut it
-                    # now rather than wait for the cancelled statement.
-                    self._abandon_session()
-                    reason = "renewal did not answer within the trust window"
+                # A session that cannot renew in time is of no more use: cut it
+                # (abandon) rather than wait for the cancelled statement.
+                next_renewal, asked = await renew_once(
+                    tenure, renew, every=every, retry_every=self.ttl / 10,
+                    abandon=self._abandon_session,
+                    fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
+                if tenure.lost is not None:
+                    reason = tenure.lost
                     break
-                error = attempt.exception()
-                if error is None and attempt.result() is None:
-                    reason = "the lease expired or was taken over"
-                    break
-                if isinstance(error, _SessionLost | SchemaMissing):
-                    reason = f"renewal failed: {error}"
-                    break
-                if error is not None:  # transient: retry soon while the window is open
-                    log.warning("elector %r: renewal failed, retrying: %r", self.name, error)
-                    next_renewal = time.monotonic() + self.ttl / 10
-                    continue
-                if attempt.result():
+                if asked:
                     self._resign_asked = fence  # renewed, and asked to step down
-                metrics.renewal(self.name, time.monotonic() - attempt_sent,
-                                attempt_sent - last_renewal)
-                last_renewal = attempt_sent
-                trust_until = attempt_sent + window - trust_margin(window)
-                self._trust_until = trust_until
-                next_renewal = attempt_sent + every
         except BaseException:
             reason = ""  # stop() or cancellation: not a loss
             raise
@@ -558,7 +544,7 @@ class Elector:
             # again; at once if the session is lost meanwhile.
             graceful = reason in ("", "a resign was requested", "lead() returned")
             lost = self._lost
-            calm_until = min(trust_until, time.monotonic() + LEAD_EXIT_TIMEOUT / 2)
+            calm_until = min(tenure.trust.until, time.monotonic() + LEAD_EXIT_TIMEOUT / 2)
 
             def insist_from() -> float:
                 return calm_until if graceful and not lost.is_set() else 0.0

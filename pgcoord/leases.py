@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, finish_despite_cancel
 from ._drivers import (
     check_source,
     fetchval_on,
@@ -41,8 +41,8 @@ from ._drivers import (
 )
 from ._drivers.base import AsyncTxSession
 from ._drivers.capacity import pool_capacity
-from ._keys import lock_key
 from ._queries import query
+from ._tenure import MemberBell, Tenure, keep_renewed, trust_margin
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
 
 if TYPE_CHECKING:
@@ -70,11 +70,6 @@ MIN_ATTEMPTS, MAX_ATTEMPTS = 3, 12
 def default_holder() -> str:
     """``host:pid:random``: unique per process and instance, readable by operators."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def trust_margin(window: float) -> float:
-    """How much earlier than the server a holder stops believing: 10%, at most 1 s."""
-    return min(window * 0.1, 1.0)
 
 
 def validate_ttl(ttl: Any) -> float:
@@ -204,7 +199,7 @@ async def _retried(what: str, attempts: int, attempt: Callable[[bool], Awaitable
 
 
 class Lease:
-    """A named lease with a fencing token; see DESIGN §3.
+    """A named lease with a fencing token (docs/leases.md).
 
     ``async with Lease(pool, "invoice-run", ttl=10) as fence:`` waits to acquire,
     renews every ``ttl/3`` in the background, and cancels the body with
@@ -216,6 +211,9 @@ class Lease:
     the body holds. A bare connection is refused (``UnsupportedConnection``): the
     renewals would run beside the owner's own statements, or inside its
     transaction, where a rollback would undo a renewal already counted.
+
+    Each holding is a ``Tenure`` of the tenure engine (``_tenure``): its trust
+    window, its loss and its renewals are the engine's, as for an elector's term.
     """
 
     def __init__(
@@ -232,18 +230,24 @@ class Lease:
         # the lease (as an elector's) is held on it, so once that session is gone
         # anyone may take the lease over without waiting out the ttl.
         self._member = member
-        self._bell: MemberSession | None = None
+        self._bell: MemberBell | None = None
         self._news = asyncio.Event()
         self._attempts = _attempts(source)
-        self.fence: int | None = None
-        self._trust_until = 0.0
-        self._last_renewed = 0.0
-        self._next_renewal = 0.0
-        self._lost: str | None = None
+        self._tenure: Tenure | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._body: asyncio.Task[Any] | None = None
         self._body_cancelled = False
         metrics.warm_up()
+
+    @property
+    def fence(self) -> int | None:
+        tenure = self._tenure
+        return None if tenure is None else tenure.fence
+
+    @property
+    def _lost(self) -> str | None:
+        tenure = self._tenure
+        return None if tenure is None else tenure.lost
 
     @property
     def _ttl_ms(self) -> int:
@@ -252,7 +256,8 @@ class Lease:
     @property
     def valid(self) -> bool:
         """True inside the local trust window of a held lease."""
-        return self.fence is not None and self._lost is None and time.monotonic() < self._trust_until
+        tenure = self._tenure
+        return tenure is not None and tenure.valid
 
     def ensure(self) -> None:
         """Raise ``LeaseLost`` unless the lease is valid; call before an unfenced side effect."""
@@ -269,24 +274,26 @@ class Lease:
             return self.ttl
         return min(self.ttl, self._member.ttl * (0.9 - 1 / 3))
 
-    def _trust(self, sent_at: float) -> None:
-        window = self._window
-        self._trust_until = sent_at + window - trust_margin(window)
-
     async def _row(self, name: str, *params: Any, via: _Statement | None = None) -> tuple[Any, ...] | None:
         return await (via or _Statement(self._source)).row(query(name), params)
 
-    async def _take(self, retrying: bool) -> tuple[Any, ...] | None:
-        bell = self._bell
-        row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms,
-                              None if bell is None else bell.backend_pid)
-        if row is None and retrying:
-            # The try that failed may have taken the lease before its connection
-            # died: then the row is ours already, with the fence it was given.
-            current = await self._row("lease_current_holder", self.name)
-            if current is not None and current[0] == self.holder:
-                return (current[1],)
-        return row
+    async def _take(self, pid: int | None) -> tuple[Any, ...] | None:
+        async def once(retrying: bool) -> tuple[Any, ...] | None:
+            row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms, pid)
+            if row is None and retrying:
+                # The try that failed may have taken the lease before its connection
+                # died: then the row is ours already, with the fence it was given.
+                current = await self._row("lease_current_holder", self.name)
+                if current is not None and current[0] == self.holder:
+                    return (current[1],)
+            return row
+
+        try:
+            return await _retried(f"acquiring lease {self.name!r}", self._attempts, once)
+        except PgcoordError:
+            raise
+        except Exception as exc:
+            raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
 
     async def acquire(self, wait: bool = True, timeout: float | None = None) -> int:  # noqa: ASYNC109 - the contract's signature
         """Take the lease (a new fence) and start renewing it; returns the fence."""
@@ -303,13 +310,21 @@ class Lease:
 
     async def _hook_member(self) -> Callable[[], None]:
         """While waiting with a member: wake on any member's death and on this
-        lease's news, rather than only every third of a ttl."""
+        lease's news, rather than only every third of a ttl. Never waits for the
+        member to have a session (``listen`` registers for the next one)."""
         member = self._member
         if member is None:
             return lambda: None
-        await member.wait_joined()
+        if not member._open:
+            raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
         unhooks = [member.on_member_left(lambda _id: self._news.set()),
-                   await member.listen("pgcoord_leases", self._on_news)]
+                   member.on_session_lost(lambda _id: self._news.set())]
+        try:
+            unhooks.append(await member.listen("pgcoord_leases", self._on_news))
+        except BaseException:
+            for unhook in unhooks:
+                unhook()
+            raise
 
         def unhook_all() -> None:
             for unhook in unhooks:
@@ -324,83 +339,120 @@ class Lease:
         except ValueError:
             pass
 
-    async def _ring(self) -> bool:
-        """With a member: take the lease's doorbell on the member's session (never
-        waiting). False when another live session holds it."""
-        member = self._member
-        if member is None:
-            return True
+    async def _member_session(self, wait: bool, limit: float | None,
+                              deadline: float | None) -> MemberSession:
+        """The member's session, once it has one: ``wait`` and ``timeout`` hold for
+        this wait as for the lease itself (a member that is joining again cannot
+        take a lease tied to it)."""
         from .member import SessionLost
 
-        try:
-            bell = member.session()
-            rang = bool(await bell.fetchval(query("advisory_call").format(fn="pg_try_advisory_lock"),
-                                            lock_key(f"pgcoord.elector:{self.name}")))
-        except SessionLost:
-            await member.wait_joined()
-            return False
-        if rang:
-            bell.owned[(lock_key(f"pgcoord.elector:{self.name}"), False)] += 1
-            bell.on_lost(lambda: self._lose("the member's session, which the lease is tied to, ended"))
-            self._bell = bell
-        return rang
+        member = self._member
+        assert member is not None
+        while True:
+            try:
+                return member.session()
+            except SessionLost:
+                pass
+            if not wait:
+                metrics.busy(self.name)
+                raise LockBusy(f"lease {self.name!r} cannot be taken now: its member "
+                               f"{member.name!r} has no session (it is joining again)")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise LockTimeout(f"lease {self.name!r} not acquired within {limit}s: its member "
+                                  f"{member.name!r} had no session meanwhile")
+            try:
+                async with asyncio.timeout(left):
+                    await member.wait_joined()
+            except TimeoutError:
+                continue
 
-    async def _bind(self, fence: int) -> None:
+    async def _attempt(self, tenure: Tenure, wait: bool, quiet: bool, limit: float | None,
+                       deadline: float | None) -> tuple[Any, ...] | None:
+        """One try at the lease: the doorbell first (with a member), then the row.
+        Whatever way this ends without the lease, the doorbell it rang is dropped."""
+        from .member import SessionLost
+
+        if self._member is None:
+            return await self._take(None)
+        session = await self._member_session(wait, limit, deadline)
+        # The session's end is this tenure's loss from now on: also while the row
+        # is being taken, so that a row tied to a dead session is never handed out.
+        def session_ended() -> None:
+            tenure.lose("the member's session, which the lease is tied to, ended")
+
+        session.on_lost(session_ended)
+        bell = MemberBell(session, self.name)
+        try:
+            try:
+                rang = await bell.ring()
+            except SessionLost:
+                tenure.lose("the member's session ended while the lease was being taken")
+                return None
+            # While a live session holds the bell (a holder, or a contender
+            # mid-attempt) the row is asked for only when waiting is not allowed or
+            # a wait went by without news: else it could be taken unbound, in a race
+            # with that contender.
+            if not (rang or not wait or quiet):
+                bell.drop()
+                return None
+            row = await self._take(bell.pid if rang else None)
+            if row is not None and not rang:
+                rang = await self._bind(bell, int(row[0]))
+            if row is None or tenure.lost is not None:
+                bell.drop()
+                if row is not None:  # tied to a session that is gone: give it back
+                    await self._release_row(int(row[0]))
+                return None
+            if rang:
+                self._bell = bell
+            else:
+                bell.drop()
+            return row
+        except BaseException:
+            bell.drop()
+            raise
+
+    async def _bind(self, bell: MemberBell, fence: int) -> bool:
         """Taken while the bell was still held by the old holder's ending session:
         take the bell now and tie the lease to our member's session."""
+        from .member import SessionLost
+
         for attempt in range(5):  # a contender that lost lets go of the bell at once
-            if await self._ring():
-                bell = self._bell
-                assert bell is not None
-                try:
-                    bound = await bell.fetchval(query("lease_bind_session"), self.name, self.holder,
-                                                fence, bell.backend_pid)
-                except Exception as exc:  # a lock_timeout on the member's session: stay unbound
-                    log.warning("lease %r: tying it to the member's session failed: %r", self.name, exc)
-                    bound = False
-                if not bound:
-                    self._unring()
-                return
+            try:
+                if await bell.ring():
+                    try:
+                        bound = await bell.session.fetchval(query("lease_bind_session"), self.name,
+                                                            self.holder, fence, bell.pid)
+                    except SessionLost:
+                        return False
+                    except Exception as exc:  # a lock_timeout on the member's session: stay unbound
+                        log.warning("lease %r: tying it to the member's session failed: %r", self.name, exc)
+                        bound = False
+                    return bool(bound)
+            except SessionLost:
+                return False
             await asyncio.sleep(0.01 * (attempt + 1))
         log.warning("lease %r: held with fence %d without its member's bell (held elsewhere): if "
                     "this process dies, the lease is free only when it expires", self.name, fence)
-
-    def _unring(self) -> None:
-        bell, self._bell = self._bell, None
-        if bell is not None:
-            bell.terminate()  # unlocks the doorbell on the member's session
+        return False
 
     async def _acquire(self, wait: bool, limit: float | None, deadline: float | None) -> int:
         quiet = False
         while True:
             self._news.clear()
+            tenure = Tenure(self.name, self._window)
             sent = time.monotonic()
-            # With a member, the bell first. While a live session holds it (a
-            # holder, or a contender mid-attempt) the lease is asked for only when
-            # waiting is not allowed or a wait went by without news: else it could
-            # be taken unbound, in a race with that contender.
-            rang = await self._ring()
-            row = None
-            if rang or self._member is None or not wait or quiet:
-                try:
-                    row = await _retried(f"acquiring lease {self.name!r}", self._attempts, self._take)
-                except PgcoordError:
-                    self._unring()
-                    raise
-                except Exception as exc:
-                    self._unring()
-                    raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
-                if row is None:
-                    self._unring()
-                elif not rang and self._member is not None:
-                    await self._bind(int(row[0]))
+            row = await self._attempt(tenure, wait, quiet, limit, deadline)
             if row is not None:
-                self.fence, self._lost = int(row[0]), None
-                self._trust(sent)
-                self._last_renewed = sent
-                self._next_renewal = sent + self._window / 3
-                self._renewer = asyncio.create_task(self._renew_loop(), name=f"pgcoord-lease:{self.name}")
-                return self.fence
+                tenure.taken(int(row[0]), sent)
+                tenure.on_lost(self._on_lost)
+                self._tenure = tenure
+                self._renewer = asyncio.create_task(self._renew_loop(tenure),
+                                                    name=f"pgcoord-lease:{self.name}")
+                return int(row[0])
+            if tenure.lost is not None:
+                continue  # our session ended mid-attempt: try again on the next one
             if not wait:
                 metrics.busy(self.name)
                 raise LockBusy(f"lease {self.name!r} is held by another holder")
@@ -417,69 +469,35 @@ class Lease:
 
     # -- renewal ------------------------------------------------------------------------------
 
-    async def _renew(self, fence: int, via: _Statement) -> tuple[Any, ...] | None:
-        async def once(_retrying: bool) -> tuple[Any, ...] | None:
-            # Idempotent: a second renewal only moves the expiry a little further.
-            return await self._row("lease_renew", self.name, self.holder, fence, self._ttl_ms,
-                                   via=via)
-
-        return await _retried(f"renewing lease {self.name!r}", self._attempts, once)
-
-    async def _renew_loop(self) -> None:
-        """Renew every ttl/3 until released or lost. A failure is only a loss when
-        no renewal succeeds before the trust window closes: a lost connection, a
-        terminated session or a server restart in between is tried again."""
-        fence = self.fence
+    async def _renew_loop(self, tenure: Tenure) -> None:
+        """Renew every window/3 until released or lost (the engine's loop). A failure
+        is only a loss when no renewal succeeds before the trust window closes: a
+        lost connection, a terminated session or a server restart in between is
+        tried again."""
+        fence = tenure.fence
         assert fence is not None
-        try:
-            await self._renew_until_lost(fence)
-        except Exception as exc:
-            # Not the database (that is retried above): a bug. The loop is over, so
-            # stop believing now rather than when the window closes, unannounced.
-            log.exception("lease %r: the renewal loop failed", self.name)
-            self._lose(f"the renewal loop failed: {exc!r}")
+        statement = _Statement(self._source)
 
-    async def _renew_until_lost(self, fence: int) -> None:
-        while self.fence == fence and self._lost is None:
-            await asyncio.sleep(max(0.0, self._next_renewal - time.monotonic()))
-            sent = time.monotonic()
+        async def renew() -> tuple[Any, ...] | None:
+            nonlocal statement
             statement = _Statement(self._source)
-            attempt = asyncio.ensure_future(self._renew(fence, statement))
-            try:
-                done, _ = await asyncio.wait({attempt}, timeout=max(0.0, self._trust_until - sent))
-            finally:
-                if not attempt.done():  # timed out, or release() cancelled us
-                    attempt.cancel()
-                    statement.abandon()
-                    attempt.add_done_callback(consume_result)
-            if not done:
-                self._lose("no renewal succeeded before the trust window closed" + (
-                    "" if statement.lent else
-                    ": the pool had no free connection for it meanwhile (does the body hold "
-                    "them all? a pool of one more connection than the body uses would do)"))
-                return
-            error = attempt.exception()
-            if error is None:
-                if attempt.result() is None:
-                    self._lose("the lease expired or was taken over")
-                    return
-                metrics.renewal(self.name, time.monotonic() - sent, sent - self._last_renewed)
-                self._last_renewed = sent
-                self._next_renewal = sent + self._window / 3
-                self._trust(sent)
-                continue
-            # Not a loss while the trust window is open: try again soon.
-            log.warning("renewing lease %r failed, retrying: %r", self.name, error)
-            now = time.monotonic()
-            if now >= self._trust_until:
-                self._lose(f"renewal failed until the trust window closed: {error!r}")
-                return
-            self._next_renewal = now + min(self.ttl / 10, self._trust_until - now)
 
-    def _lose(self, reason: str) -> None:
-        if self._lost is not None:
-            return
-        self._lost = reason
+            async def once(_retrying: bool) -> tuple[Any, ...] | None:
+                # Idempotent: a second renewal only moves the expiry a little further.
+                return await self._row("lease_renew", self.name, self.holder, fence, self._ttl_ms,
+                                       via=statement)
+
+            return await _retried(f"renewing lease {self.name!r}", self._attempts, once)
+
+        def starved() -> str:
+            return "" if statement.lent else (
+                ": the pool had no free connection for it meanwhile (does the body hold "
+                "them all? a pool of one more connection than the body uses would do)")
+
+        await keep_renewed(tenure, renew, every=self._window / 3, retry_every=self.ttl / 10,
+                           abandon=lambda: statement.abandon(), starved=starved)
+
+    def _on_lost(self, reason: str) -> None:
         metrics.lock_lost(self.name, reason)
         log.warning("lease %r (fence %s) lost: %s", self.name, self.fence, reason)
         if self._body is not None:
@@ -500,13 +518,15 @@ class Lease:
         renewer, self._renewer = self._renewer, None
         if renewer is asyncio.current_task():
             renewer = None
-        fence, self.fence = self.fence, None
+        tenure, self._tenure = self._tenure, None
+        fence = None if tenure is None else tenure.fence
         if renewer is None and fence is None:
             return
         bound = RELEASE_TIMEOUT
         statement = _Statement(self._source)
+        bell, self._bell = self._bell, None
         try:
-            await finish_despite_cancel(self._give_up(renewer, fence, bound, statement), bound=bound,
+            await finish_despite_cancel(self._give_up(renewer, bell, fence, bound, statement), bound=bound,
                                         on_timeout=statement.abandon)
         except CleanupTimeout:
             log.warning("releasing lease %r (fence %s) did not finish within %.1f s%s; gave up: "
@@ -514,18 +534,12 @@ class Lease:
                         self.name, fence, bound,
                         "" if statement.lent else " (the pool had no free connection for it)",
                         self.ttl)
+        finally:
+            if bell is not None:
+                bell.drop()  # at once if let_go() did not get to it
 
-    async def _give_up(
-        self, renewer: asyncio.Task[None] | None, fence: int | None, bound: float,
-        statement: _Statement,
-    ) -> None:
-        # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
-        if renewer is not None:
-            renewer.cancel()
-            await asyncio.wait({renewer})  # its outcome is not ours to raise
-        if fence is None:
-            return
-
+    async def _release_row(self, fence: int, bound: float = RELEASE_TIMEOUT,
+                           statement: _Statement | None = None) -> None:
         async def once(_retrying: bool) -> None:
             # Idempotent: once released, the row no longer matches holder and fence.
             await self._row("lease_release_bounded", self.name, self.holder, fence,
@@ -536,8 +550,21 @@ class Lease:
         except Exception as exc:  # it expires on its own; never mask the caller's error
             log.warning("releasing lease %r (fence %s) failed; it will expire on its own within "
                         "%.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
-        finally:
-            self._unring()  # the row first, then the bell: a woken taker finds it free
+
+    async def _give_up(
+        self, renewer: asyncio.Task[None] | None, bell: MemberBell | None, fence: int | None,
+        bound: float, statement: _Statement,
+    ) -> None:
+        # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
+        if renewer is not None:
+            renewer.cancel()
+            await asyncio.wait({renewer})  # its outcome is not ours to raise
+        # The bell first, awaited, then the row: the row's release is what wakes a
+        # waiting member (its NOTIFY), and it must then find the bell free too.
+        if bell is not None:
+            await bell.let_go()
+        if fence is not None:
+            await self._release_row(fence, bound, statement)
 
     async def __aenter__(self) -> int:
         fence = await self.acquire()

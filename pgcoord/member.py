@@ -585,13 +585,17 @@ class Member:
         Behind a pooler nothing arrives. Returns a function that stops it."""
         self._channels.setdefault(channel, []).append(callback)
         callbacks = self._channels[channel]
-        if self._joined.is_set():
-            await self._listen_all()
 
         def stop() -> None:
             if callback in callbacks:
                 callbacks.remove(callback)
 
+        if self._joined.is_set():
+            try:
+                await self._listen_all()
+            except BaseException:
+                stop()
+                raise
         return stop
 
     async def _listen_all(self) -> None:
@@ -602,8 +606,21 @@ class Member:
             return
         async with self._main_io:
             while (todo := set(self._channels) - self._listening) and main is self._main:
+                if self._lost.is_set():
+                    return  # the next session listens on every channel when it joins
                 channel = todo.pop()
-                await listen(main, channel, functools.partial(self._on_channel, channel))
+                try:
+                    await listen(main, channel, functools.partial(self._on_channel, channel))
+                except Exception as exc:
+                    if not _errmap.session_gone(exc):
+                        mapped = _errmap.as_schema_missing(exc)
+                        if mapped is exc:
+                            raise
+                        raise mapped from exc
+                    # The session is gone: the loop joins again, and the new session
+                    # listens on every registered channel. Not the caller's error.
+                    self._lost.set()
+                    return
                 self._listening.add(channel)
 
     def _on_channel(self, channel: str, payload: str) -> None:

@@ -46,8 +46,9 @@ from ._aio import RECANCEL_EVERY, finish_despite_cancel
 from ._assignment import balanced
 from ._keys import lock_key
 from ._queries import query
+from ._tenure import trusted_until
 from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
-from .leases import trust_margin, validate_ttl
+from .leases import validate_ttl
 from .member import SessionLost
 
 if TYPE_CHECKING:
@@ -472,7 +473,7 @@ class Partitions:
         if self._lost.is_set():
             raise _SessionGone("the member's session was lost during a claim")
         taken, _given_back = json.loads(raw)
-        trust_until = sent + self._window - trust_margin(self._window)
+        trust_until = trusted_until(sent, self._window)
         for index, fence in taken:
             part = Partition(int(index), self._part_name(int(index)), int(fence))
             held = _Held(part, trust_until)
@@ -522,7 +523,7 @@ class Partitions:
     def _renewed(self, held: list[_Held], renewed: set[int], ours: set[int], sent: float) -> None:
         if self._lost.is_set():
             raise _SessionGone("the member's session was lost during a renewal")
-        trust_until = sent + self._window - trust_margin(self._window)
+        trust_until = trusted_until(sent, self._window)
         for h in held:
             if h.part.index in renewed:
                 h.trust_until = trust_until
