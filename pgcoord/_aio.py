@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -256,3 +257,72 @@ class Subscription(Generic[T]):
     def close(self) -> None:
         """Stop receiving items."""
         self._subscribers.discard(self._queue)
+
+
+class Backoff:
+    """How long to wait before trying again: ``first``, doubling at each failure up to
+    ``cap``, and back to nothing after a success. Waits are jittered (a half to the
+    whole of the delay) so that replicas that failed together do not retry together."""
+
+    def __init__(self, first: float = 0.05, cap: float = 5.0) -> None:
+        self.first, self.cap = first, cap
+        self.delay = 0.0
+
+    def reset(self) -> None:
+        self.delay = 0.0
+
+    def failed(self) -> float:
+        """One more failure: the new delay (before jitter)."""
+        self.delay = min(max(self.delay * 2, self.first), self.cap)
+        return self.delay
+
+    def jittered(self) -> float:
+        """The current delay, jittered: what to wait now."""
+        return self.delay * random.uniform(0.5, 1.0)
+
+    async def sleep(self) -> None:
+        """Wait out the current delay, jittered (at once after a success)."""
+        if self.delay:
+            await asyncio.sleep(self.jittered())
+
+
+class Supervisor:
+    """The owner of an object's background tasks: each is named, kept referenced
+    until it ends, has its error logged unless someone collects it, and is cancelled
+    and awaited by ``stop()``. Nothing pgcoord starts in the background is left
+    without one."""
+
+    def __init__(self, owner: str, logger: logging.Logger | None = None) -> None:
+        self.owner = owner
+        self._log = logger or log
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str, *, collected: bool = False) -> asyncio.Task[T]:
+        """Start ``coro`` as a task named ``name``. ``collected``: its owner reads its
+        outcome itself, so an error is not logged here."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(consume_result if collected else self._report)
+        return task
+
+    def _report(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self._log.error("%s: background task %s failed", self.owner, task.get_name(), exc_info=error)
+
+    async def stop(self) -> None:
+        """Cancel every task and wait until each has ended (their errors are not raised)."""
+        tasks, self._tasks = set(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # the caller itself was cancelled meanwhile
+            except Exception:
+                pass

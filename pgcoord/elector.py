@@ -46,6 +46,7 @@ from . import _errmap, metrics
 from ._aio import (
     CLEANUP_TIMEOUT,
     END_OF_STREAM,
+    Backoff,
     CleanupTimeout,
     Subscription,
     absorb_cancel,
@@ -632,7 +633,7 @@ class Elector:
         self._run_task = asyncio.current_task()
         self._stopping, self._stopped = False, asyncio.Event()
         metrics.campaigning(self.name)
-        backoff = 0.0
+        backoff = Backoff(first=0.05, cap=self.ttl / 3)
         try:
             while True:
                 # Whatever fails here (a lost session, a server restart or outage, a
@@ -645,7 +646,7 @@ class Elector:
                         await self._drop_session()
                         await self._connect()
                     fence, rang, sent = await self._campaign()
-                    backoff = 0.0
+                    backoff.reset()
                     await self._lead(lead, fence, rang, sent)
                     # After a term (a resign on request above all) let another
                     # replica take over before campaigning again.
@@ -653,10 +654,10 @@ class Elector:
                 except SchemaMissing:
                     raise
                 except Exception as exc:
-                    backoff = min(max(backoff * 2, 0.05), self.ttl / 3)
-                    log.warning("elector %r: %r; campaigning again in %.2fs", self.name, exc, backoff)
+                    delay = backoff.failed()
+                    log.warning("elector %r: %r; campaigning again in %.2fs", self.name, exc, delay)
                     await self._drop_session()
-                    await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                    await backoff.sleep()
         except asyncio.CancelledError:
             if not self._stopping:
                 raise

@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import uuid
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import _errmap
-from ._aio import END_OF_STREAM, Subscription, consume_result, finish_despite_cancel
+from ._aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
 from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._listen import listen
 from ._queries import query
@@ -257,7 +256,7 @@ class Member:
         #: True behind a transaction-mode pooler: heartbeat rows, no session.
         self.polling: bool | None = None
         self._watch_changed = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = Supervisor(f"member {self.name!r}", log)
         self._runner: asyncio.Task[None] | None = None
         self._open = False
 
@@ -331,19 +330,11 @@ class Member:
         self._joined.clear()
 
     async def _stop_tasks(self) -> None:
-        tasks, self._tasks = set(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.stop()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(consume_result)
-        return task
+        # The member reads its loops' outcomes itself (_run logs them).
+        return self._tasks.spawn(coro, name, collected=True)
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -468,12 +459,12 @@ class Member:
 
     async def _run(self) -> None:
         """Heartbeat, watch the successor and apply news; rejoin after a lost session."""
-        backoff = 0.0
+        backoff = Backoff(first=0.05, cap=self.ttl / 3)
         while True:
             try:
                 if self._main is None:
                     await self._join()
-                    backoff = 0.0
+                    backoff.reset()
                 parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
                 if not self.polling:
                     parts += [
@@ -493,17 +484,16 @@ class Member:
                 # Never give up in the background: open() already raised for a
                 # schema that was missing at the start; one that goes missing
                 # later (a restore, a downgrade) is logged loudly and retried.
-                backoff = min(max(backoff * 2, 0.05), self.ttl / 3)
+                delay = backoff.failed()
                 level = logging.ERROR if isinstance(exc, SchemaMissing) else logging.WARNING
-                log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, backoff)
+                log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, delay)
             own_id = self.id
             if own_id is not None:
                 self._call_hooks(self._lost_hooks, own_id)
             await self._stop_tasks()
             await finish_despite_cancel(self._drop_sessions())
             self._forget_view(own_id)
-            if backoff:
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            await backoff.sleep()
 
     def _forget_view(self, own_id: int | None) -> None:
         """Our session ended, so what we knew of others may be stale: every peer we

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _errmap, metrics
-from ._aio import RECANCEL_EVERY, finish_despite_cancel
+from ._aio import RECANCEL_EVERY, Backoff, finish_despite_cancel
 from ._assignment import balanced
 from ._keys import lock_key
 from ._queries import query
@@ -240,7 +240,7 @@ class Partitions:
         unhooks: list[Callable[[], None]] = []
         session: MemberSession | None = None
         watchdog: asyncio.Task[None] | None = None
-        failures = 0
+        backoff = Backoff(BACKOFF_FIRST, BACKOFF_MAX)
         try:
             unhooks += [member.on_member_left(lambda _id: self._news.set()),
                         member.on_session_lost(self._on_session_lost)]
@@ -272,12 +272,12 @@ class Partitions:
                         self._held.clear()
                         metrics.parts_owned(self.name, 0)
                         log.info("partitions %r: the member's session was lost; parts dropped", self.name)
-                        failures = 0
+                        backoff.reset()
                         session = None
                         await asyncio.sleep(random.uniform(0.0, 0.02))
                         continue
-                    failures += 1
-                    delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                    backoff.failed()
+                    delay = backoff.jittered()
                     log.warning("partitions %r: %r; trying again in %.2fs", self.name, exc, delay)
                     await self._leave_quietly(session)
                     session = None
@@ -369,20 +369,20 @@ class Partitions:
         await self._call(session, "partition_join", self.name, self.count, member_id)
         session.owned[(self._participation_key(member_id), False)] += 1
         self._renew_at = 0.0
-        failures = 0
+        backoff = Backoff(BACKOFF_FIRST, BACKOFF_MAX)
         while True:
             self._news.clear()  # before looking, so that news arriving meanwhile is kept
             try:
                 await self._step(session)
-                failures = 0
+                backoff.reset()
             except Exception as exc:
                 if (self._lost.is_set() or isinstance(exc, SessionLost | _SessionGone)
                         or isinstance(_errmap.as_schema_missing(exc), SchemaMissing)):
                     raise
                 # A step that failed (a statement cut short by lock_timeout, say) keeps
                 # what we own: the trust windows still bound how long we believe it.
-                failures += 1
-                delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (failures - 1)) * random.uniform(0.5, 1.0)
+                backoff.failed()
+                delay = backoff.jittered()
                 log.warning("partitions %r: %r; looking again in %.2fs", self.name, exc, delay)
                 await self._wait(time.monotonic() + delay)
                 continue
