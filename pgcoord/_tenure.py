@@ -25,16 +25,15 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import metrics
 from ._aio import consume_result
+from ._errmap import session_gone
 from ._keys import lock_key
 from ._queries import query
-
-if TYPE_CHECKING:
-    from .member import MemberSession
 
 log = logging.getLogger("pgcoord.tenure")
 
@@ -221,52 +220,87 @@ async def renew_once(
     return time.monotonic() + min(retry_every, left), None
 
 
-class MemberBell:
-    """A lease's doorbell on a member's session: a session lock that is free the
-    moment the session ends, so that whoever waits can take the lease over at once.
+class Doorbell:
+    """A lease's doorbell on one session: a session lock that is free the moment that
+    session ends, so that whoever waits for the lease can take it over at once.
 
-    Taken with a try (a member's session is shared: it never waits), and counted in
-    the session's ``owned`` before the statement is sent, so that a ring cancelled
-    in flight is still undone by ``drop()``."""
+    The session is the holder's own (an ``Elector(dsn)``: closing it lets go of the
+    bell) or a member's shared one, whose ``owned`` book is kept here: an unlock is
+    booked before the try is sent, so a ring cancelled in flight is still undone by
+    ``drop()``. ``call`` runs a statement on the session (the owner's, which maps its
+    errors); by default the session's own ``fetchval``."""
 
-    def __init__(self, session: MemberSession, name: str) -> None:
+    def __init__(self, session: Any, name: str,
+                 call: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.session = session
         self.key = doorbell_key(name)
-        self._held = False
+        self._call = call or session.fetchval
+        self._book: Counter[tuple[int, bool]] | None = getattr(session, "owned", None)
+        self.held = False
 
     @property
     def pid(self) -> int:
-        return self.session.backend_pid
+        return int(self.session.backend_pid)
+
+    def _booked(self, delta: int) -> None:
+        book = self._book
+        if book is not None:
+            book[(self.key, False)] += delta
+            if book[(self.key, False)] <= 0:
+                del book[(self.key, False)]
 
     async def ring(self) -> bool:
-        """Take the doorbell without waiting; False while another session holds it.
-        ``SessionLost`` when the member's session is gone."""
-        owned = self.session.owned
-        owned[(self.key, False)] += 1  # an unlock is owed from here on, whatever comes back
-        # Raised or cancelled in flight, the lock may have been taken: the unlock stays
-        # owed, and drop() pays it.
-        rang = bool(await self.session.fetchval(
-            query("advisory_call").format(fn="pg_try_advisory_lock"), self.key))
+        """Take the bell without waiting; False while another session holds it."""
+        self._booked(+1)  # raised or cancelled in flight, it may be ours: drop() unlocks
+        rang = bool(await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"),
+                                     self.key))
         if not rang:
-            owned[(self.key, False)] -= 1
-        self._held = rang
+            self._booked(-1)
+        self.held = self.held or rang
         return rang
 
-    async def let_go(self) -> None:
-        """Unlock now and wait for it, so that a waiter woken next finds it free. On
-        failure (the session is gone, or busy past its bound) fall back to ``drop``."""
-        if self._held:
-            self._held = False
-            try:
-                await self.session.fetchval(query("advisory_call").format(fn="pg_advisory_unlock"),
-                                            self.key)
-                self.session.owned[(self.key, False)] -= 1
-            except Exception as exc:
-                log.info("doorbell %d: unlock failed (%r); left to the member", self.key, exc)
-        self.drop()
+    def rang(self) -> None:
+        """The bell was taken by a wait of the owner's own (``pg_advisory_lock``)."""
+        self._booked(+1)
+        self.held = True
+
+    async def unring(self) -> None:
+        """Unlock now and wait for it, so that a waiter woken next finds it free."""
+        if self.held:
+            self.held = False
+            await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self.key)
+            self._booked(-1)
 
     def drop(self) -> None:
-        """Let go without waiting: what is still owed is unlocked in the background
-        by the member (or went with its session)."""
-        self._held = False
-        self.session.terminate()
+        """Let go without waiting: what is still owed on a member's session is
+        unlocked in the background by the member (on an own session, closing it
+        does)."""
+        self.held = False
+        book = self._book
+        owed = 0 if book is None else book.pop((self.key, False), 0)
+        if owed > 0:
+            self.session.unlock_later(self.key, owed)
+
+    async def bind(self, name: str, holder: str, fence: int) -> bool:
+        """The lease was taken without the bell (after a quiet wait, or while the old
+        holder's session was ending): take the bell now and tie the lease to this
+        session, so that the holder's own death is heard at once. The bell may still
+        be held for a moment by a contender that lost: a few tries."""
+        for attempt in range(5):
+            if await self.ring():
+                try:
+                    bound = bool(await self._call(query("lease_bind_session"), name, holder, fence,
+                                                  self.pid))
+                except Exception as exc:
+                    if session_gone(exc):
+                        raise
+                    # A lock_timeout on a member's session: stay unbound.
+                    log.warning("lease %r: tying it to the session failed: %r", name, exc)
+                    bound = False
+                if not bound:
+                    await self.unring()
+                return bound
+            await asyncio.sleep(0.01 * (attempt + 1))
+        log.warning("lease %r: held with fence %d without its doorbell (held elsewhere): if this "
+                    "process dies, the lease is free only when it expires", name, fence)
+        return False

@@ -59,7 +59,7 @@ from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
 from ._keys import lock_key
 from ._listen import listen
 from ._queries import query
-from ._tenure import Tenure, renew_once
+from ._tenure import Doorbell, Tenure, renew_once
 from .errors import PgcoordError, SchemaMissing
 from .leases import lock_timeout_setting, validate_holder, validate_name, validate_ttl
 
@@ -154,6 +154,7 @@ class Elector:
         self._leading = False
         self._fence: int | None = None
         self._tenure: Tenure | None = None  # the current (or last) term
+        self._bell: Doorbell | None = None  # the doorbell on the current session
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
         self._closing: set[asyncio.Future[Any]] = set()
@@ -256,6 +257,7 @@ class Elector:
         lost = asyncio.Event()
         conn.on_lost(lost.set)
         self._conn, self._lost = conn, lost
+        self._bell = Doorbell(conn, self.name, call=self._call)
         return conn
 
     async def _use_member(self, member: Member) -> HolderConnection:
@@ -271,22 +273,13 @@ class Elector:
         lost = asyncio.Event()
         conn.on_lost(lost.set)
         self._conn, self._lost = conn, lost
+        self._bell = Doorbell(conn, self.name, call=self._call)
         return conn
 
     def _unhook(self) -> None:
         unhooks, self._unhooks = self._unhooks, []
         for unhook in unhooks:
             unhook()
-
-    def _rang(self, conn: HolderConnection | None, delta: int) -> None:
-        """Book-keeping of the doorbell on a member's session, which we must unlock
-        ourselves when we let go of it (closing it is not ours to do)."""
-        from .member import MemberSession
-
-        if isinstance(conn, MemberSession):
-            conn.owned[(self._doorbell, False)] += delta
-            if conn.owned[(self._doorbell, False)] <= 0:
-                del conn.owned[(self._doorbell, False)]
 
     async def _drop_session(self) -> None:
         conn, self._conn = self._conn, None
@@ -335,6 +328,8 @@ class Elector:
         assert self._conn is not None
         if self._member is not None:
             return await self._campaign_on_member()
+        bell = self._bell
+        assert bell is not None
         while True:
             rang = False
             if not self.polling:
@@ -344,6 +339,7 @@ class Elector:
                     fn="pg_advisory_lock", key=self._doorbell, timeout_ms=self._ttl_ms)
                 try:
                     await self._call_execute(wait)
+                    bell.rang()
                     rang = True
                 except Exception as exc:
                     if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
@@ -351,16 +347,14 @@ class Elector:
                     # The leader may have gone just after the wait gave up: take
                     # the bell now if it is free, so that a lease won here is
                     # tied to this session (and a crash of ours is heard at once).
-                    rang = bool(await self._call(
-                        query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell))
+                    rang = await bell.ring()
             sent = time.monotonic()
             fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
                                      self._conn.backend_pid if rang else None)
             if fence is not None:
                 return int(fence), rang, sent
             if rang:  # the bell was free but someone leads without it: let it go
-                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
-                                 self._doorbell)
+                await bell.unring()
             # After a doorbell wait that timed out, wait on it again at once: a
             # pause here would be a window in which a leader's death goes unheard.
             if self.polling or rang:
@@ -377,17 +371,14 @@ class Elector:
         Only after a third of a ttl without news is it asked for without the
         bell, for a lease whose bell is held by a session that no longer renews
         it (the lease expires)."""
-        conn = self._conn
-        assert conn is not None and self._lost is not None
+        conn, bell = self._conn, self._bell
+        assert conn is not None and bell is not None and self._lost is not None
         quiet = False
         while True:
             self._news.clear()  # before looking, so news that comes meanwhile is kept
             rang = False
             if not self.polling:
-                rang = bool(await self._call(
-                    query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell))
-                if rang:
-                    self._rang(conn, +1)
+                rang = await bell.ring()
             if rang or self.polling or quiet:
                 sent = time.monotonic()
                 try:
@@ -401,12 +392,10 @@ class Elector:
                     fence = None
                 if fence is not None:
                     if not rang and not self.polling:
-                        rang = await self._bind(conn, int(fence))
+                        rang = await bell.bind(self.name, self.holder, int(fence))
                     return int(fence), rang, sent
                 if rang:
-                    await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
-                                     self._doorbell)
-                    self._rang(conn, -1)
+                    await bell.unring()
             lost = asyncio.ensure_future(self._lost.wait())
             news = asyncio.ensure_future(self._news.wait())
             try:
@@ -423,33 +412,6 @@ class Elector:
                 # that lost, a leader resigning or gone): look again in a moment
                 # rather than at the next news.
                 await asyncio.sleep(random.uniform(0.002, 0.01))
-
-    async def _bind(self, conn: HolderConnection, fence: int) -> bool:
-        """The lease was taken without the bell (a third of a ttl without news, or
-        the old holder's session was ending): take the bell now, and tie the lease
-        to our session so that our own death is heard at once. The bell may still
-        be held for a moment by a contender that lost: a few tries."""
-        for attempt in range(5):
-            if await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"), self._doorbell):
-                self._rang(conn, +1)
-                try:
-                    bound = await self._call(query("lease_bind_session"), self.name, self.holder,
-                                             fence, conn.backend_pid)
-                except _SessionLost:
-                    raise
-                except Exception as exc:  # a lock_timeout on the member's session
-                    log.warning("elector %r: tying the lease to the session failed: %r", self.name, exc)
-                    bound = False
-                if bound:
-                    return True
-                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
-                self._rang(conn, -1)
-                return False
-            await asyncio.sleep(0.01 * (attempt + 1))
-        log.warning("elector %r: leads with fence %d without its session's bell (held elsewhere); "
-                    "a crash of this replica is then noticed only when the lease expires",
-                    self.name, fence)
-        return False
 
     async def _call_execute(self, sql: str) -> None:
         conn = self._conn
@@ -605,18 +567,16 @@ class Elector:
         free (we no longer lead either way: nobody may think so from here on)."""
         # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
         bell_first = self._member is not None
+        bell = self._bell
         try:
-            if rang and bell_first:
-                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self._doorbell)
-                self._rang(self._conn, -1)
+            if rang and bell_first and bell is not None:
+                await bell.unring()
             # On a member's shared session no wait may be long (see member_session).
             wait = bound if self._member is None else min(bound, 0.5)
             await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
                              lock_timeout_setting(wait))
-            if rang and not bell_first:
-                await self._call(query("advisory_call").format(fn="pg_advisory_unlock"),
-                                 self._doorbell)
-                self._rang(self._conn, -1)
+            if rang and not bell_first and bell is not None:
+                await bell.unring()
         except Exception as exc:
             # Closing the session releases the doorbell; the row's session is then
             # gone, so a follower may take over without waiting out the ttl. On a

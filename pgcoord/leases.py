@@ -42,7 +42,7 @@ from ._drivers import (
 from ._drivers.base import AsyncTxSession
 from ._drivers.capacity import pool_capacity
 from ._queries import query
-from ._tenure import MemberBell, Tenure, keep_renewed, trust_margin
+from ._tenure import Doorbell, Tenure, keep_renewed, trust_margin
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class Lease:
         # the lease (as an elector's) is held on it, so once that session is gone
         # anyone may take the lease over without waiting out the ttl.
         self._member = member
-        self._bell: MemberBell | None = None
+        self._bell: Doorbell | None = None
         self._news = asyncio.Event()
         self._attempts = _attempts(source)
         self._tenure: Tenure | None = None
@@ -382,7 +382,8 @@ class Lease:
             tenure.lose("the member's session, which the lease is tied to, ended")
 
         session.on_lost(session_ended)
-        bell = MemberBell(session, self.name)
+        bell = Doorbell(session, self.name)
+        handed = False
         try:
             try:
                 rang = await bell.ring()
@@ -394,48 +395,24 @@ class Lease:
             # a wait went by without news: else it could be taken unbound, in a race
             # with that contender.
             if not (rang or not wait or quiet):
-                bell.drop()
                 return None
             row = await self._take(bell.pid if rang else None)
             if row is not None and not rang:
-                rang = await self._bind(bell, int(row[0]))
+                try:
+                    rang = await bell.bind(self.name, self.holder, int(row[0]))
+                except SessionLost:
+                    tenure.lose("the member's session ended while the lease was being taken")
             if row is None or tenure.lost is not None:
-                bell.drop()
                 if row is not None:  # tied to a session that is gone: give it back
                     await self._release_row(int(row[0]))
                 return None
             if rang:
-                self._bell = bell
-            else:
-                bell.drop()
+                self._bell, handed = bell, True
             return row
-        except BaseException:
-            bell.drop()
-            raise
-
-    async def _bind(self, bell: MemberBell, fence: int) -> bool:
-        """Taken while the bell was still held by the old holder's ending session:
-        take the bell now and tie the lease to our member's session."""
-        from .member import SessionLost
-
-        for attempt in range(5):  # a contender that lost lets go of the bell at once
-            try:
-                if await bell.ring():
-                    try:
-                        bound = await bell.session.fetchval(query("lease_bind_session"), self.name,
-                                                            self.holder, fence, bell.pid)
-                    except SessionLost:
-                        return False
-                    except Exception as exc:  # a lock_timeout on the member's session: stay unbound
-                        log.warning("lease %r: tying it to the member's session failed: %r", self.name, exc)
-                        bound = False
-                    return bool(bound)
-            except SessionLost:
-                return False
-            await asyncio.sleep(0.01 * (attempt + 1))
-        log.warning("lease %r: held with fence %d without its member's bell (held elsewhere): if "
-                    "this process dies, the lease is free only when it expires", self.name, fence)
-        return False
+        finally:
+            if not handed:  # not handed to the lease: let go of it, on every way out
+                bell.drop()
+                session.terminate()
 
     async def _acquire(self, wait: bool, limit: float | None, deadline: float | None) -> int:
         quiet = False
@@ -536,7 +513,8 @@ class Lease:
                         self.ttl)
         finally:
             if bell is not None:
-                bell.drop()  # at once if let_go() did not get to it
+                bell.drop()  # at once if unring() did not get to it
+                bell.session.terminate()
 
     async def _release_row(self, fence: int, bound: float = RELEASE_TIMEOUT,
                            statement: _Statement | None = None) -> None:
@@ -552,7 +530,7 @@ class Lease:
                         "%.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
 
     async def _give_up(
-        self, renewer: asyncio.Task[None] | None, bell: MemberBell | None, fence: int | None,
+        self, renewer: asyncio.Task[None] | None, bell: Doorbell | None, fence: int | None,
         bound: float, statement: _Statement,
     ) -> None:
         # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
@@ -562,7 +540,11 @@ class Lease:
         # The bell first, awaited, then the row: the row's release is what wakes a
         # waiting member (its NOTIFY), and it must then find the bell free too.
         if bell is not None:
-            await bell.let_go()
+            try:
+                await bell.unring()
+            except Exception as exc:  # the session is gone, or busy past its bound
+                log.info("lease %r: letting go of its doorbell failed (%r); left to the member",
+                         self.name, exc)
         if fence is not None:
             await self._release_row(fence, bound, statement)
 

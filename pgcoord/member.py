@@ -190,6 +190,14 @@ class MemberSession(HolderConnection):
     def announced_pid(self) -> int | None:
         return self._main.announced_pid()
 
+    def unlock_later(self, key: int, count: int = 1) -> None:
+        """Unlock ``key`` (``count`` levels) in the background, if this incarnation of
+        the session still lives (else it went with the session)."""
+        if self._member.id == self._incarnation:
+            self._member._spawn(
+                self._member._unlock_owned(self._incarnation, collections.Counter({(key, False): count})),
+                f"pgcoord-member-release:{self._member.name}")
+
     def terminate(self) -> None:
         """Let go without waiting: the member's session stays; keys this feature
         owned are unlocked in the background."""
