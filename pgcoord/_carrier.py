@@ -48,8 +48,6 @@ def _is_lane(held: object) -> bool:
     return hasattr(held, "lane")
 
 
-# SQLSTATE query_canceled: a statement stopped part way, its effects unknown.
-_QUERY_CANCELED = "57014"
 
 
 class Carrier:
@@ -218,7 +216,7 @@ class Carrier:
             self.mark_lost(f"{type(exc).__name__}: {exc}")
             return
         code = _errmap.sqlstate(exc)
-        if code is not None and code != _QUERY_CANCELED:
+        if code is not None and code != _errmap.SQLSTATE_QUERY_CANCELED:
             # The server ran the statement and raised: the unlocks (evaluated
             # first) took effect, the try did not.
             return

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from . import _errmap
 from ._errmap import _chain, sqlstate
 from .errors import SchemaMissing
 
@@ -178,11 +179,12 @@ def _driver_error(exc: BaseException) -> BaseException:
 
 # SQLSTATEs that mean the session could not be had, with what to do about each.
 _CONNECT_HINTS = {
-    "28P01": "check the password (in --dsn, PGPASSWORD or ~/.pgpass)",
-    "28000": "check the user name in --dsn, and that pg_hba.conf lets it in",
-    "3D000": "check the database name in --dsn (or create the database)",
-    "53300": "the server has no free connection slot: try again, or raise max_connections",
-    "57P03": "the server is starting or stopping: try again in a moment",
+    _errmap.SQLSTATE_INVALID_PASSWORD: "check the password (in --dsn, PGPASSWORD or ~/.pgpass)",
+    _errmap.SQLSTATE_INVALID_AUTHORIZATION: "check the user name in --dsn, and that pg_hba.conf lets it in",
+    _errmap.SQLSTATE_INVALID_CATALOG_NAME: "check the database name in --dsn (or create the database)",
+    _errmap.SQLSTATE_TOO_MANY_CONNECTIONS:
+        "the server has no free connection slot: try again, or raise max_connections",
+    _errmap.SQLSTATE_CANNOT_CONNECT_NOW: "the server is starting or stopping: try again in a moment",
 }
 _GENERIC_CONNECT_HINT = (
     "check that PostgreSQL runs there and that --dsn has the right host, port, user, "
@@ -192,7 +194,9 @@ _GENERIC_CONNECT_HINT = (
 
 def _is_connect_failure(exc: BaseException, code: str | None) -> bool:
     if code is not None:
-        return code[:2] in ("08", "28") or code in ("3D000", "53300", "57P01", "57P02", "57P03")
+        return code[:2] in ("08", "28") or code in (
+            _errmap.SQLSTATE_INVALID_CATALOG_NAME, _errmap.SQLSTATE_TOO_MANY_CONNECTIONS,
+            *_errmap.SESSION_ENDED)
     for e in _chain(exc):
         if isinstance(e, OSError):  # refused, unknown host, reset, timed out
             return True
@@ -222,7 +226,7 @@ def explain(exc: BaseException, dsn: str | None) -> CliError:
     if _is_connect_failure(exc, code):
         hint = _CONNECT_HINTS.get(code or "", _GENERIC_CONNECT_HINT)
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {one_line(driver)}; {hint}")
-    if code == "42501":
+    if code == _errmap.SQLSTATE_INSUFFICIENT_PRIVILEGE:
         return CliError(EXIT_PRIVILEGE, f"permission denied in {where}: {one_line(driver)}; run it as "
                                         f"a role that has the privilege (migrate: the database's owner; "
                                         f"status: a role granted sql/roles.sql's operator grants)")

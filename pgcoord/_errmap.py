@@ -8,11 +8,24 @@ from collections.abc import Iterator
 
 from .errors import PgcoordError, SchemaMissing
 
-SQLSTATE_LOCK_BUSY = "PC001"        # raised by sql/queries.sql advisory_try
-SQLSTATE_OWN_SLOTS = "PC005"        # a semaphore whose every slot is the caller's own (0005)
+# Every SQLSTATE pgcoord raises or reads is named here, once.
+# pgcoord's own (sql/): PC001 advisory_try, PC002 check_fence, PC003 member_join,
+# PC005 a semaphore whose every slot is the caller's own (0005).
+SQLSTATE_LOCK_BUSY = "PC001"
+SQLSTATE_STALE_FENCE = "PC002"
+SQLSTATE_NAME_TAKEN = "PC003"
+SQLSTATE_OWN_SLOTS = "PC005"
+# The server's.
 SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
 SQLSTATE_DEADLOCK = "40P01"
 SQLSTATE_OUT_OF_SHARED_MEMORY = "53200"
+SQLSTATE_QUERY_CANCELED = "57014"  # a statement stopped part way, its effects unknown
+SQLSTATE_INSUFFICIENT_PRIVILEGE = "42501"
+SQLSTATE_TOO_MANY_CONNECTIONS = "53300"
+SQLSTATE_INVALID_PASSWORD = "28P01"
+SQLSTATE_INVALID_AUTHORIZATION = "28000"
+SQLSTATE_INVALID_CATALOG_NAME = "3D000"  # no such database
+SQLSTATE_CANNOT_CONNECT_NOW = "57P03"
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -47,7 +60,7 @@ def sqlstate(exc: BaseException) -> str | None:
 
 
 # The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now.
-_SESSION_ENDED = ("57P01", "57P02", "57P03")
+SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW)
 
 
 def session_gone(exc: BaseException) -> bool:
@@ -59,7 +72,7 @@ def session_gone(exc: BaseException) -> bool:
     code = sqlstate(exc)
     if code is None:
         return not isinstance(exc, asyncio.CancelledError | PgcoordError)
-    return code.startswith("08") or code in _SESSION_ENDED
+    return code.startswith("08") or code in SESSION_ENDED
 
 
 # undefined_table, invalid_schema_name, undefined_function: pgcoord's schema is

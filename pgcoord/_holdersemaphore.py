@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pgcoord.session")
 
-# SQLSTATE query_canceled: a statement stopped part way, its effects unknown.
-_QUERY_CANCELED = "57014"
 
 # Lanes held through each driver connection by this process: (key, lane) -> count.
 # Keyed by the driver's connection, which holders sharing one member's session share.
@@ -303,7 +301,7 @@ class HeldSemaphore:
             try:
                 lane = await main.call(query("semaphore_try_session"), key, limit, skip)
             except Exception as exc:
-                if _errmap.sqlstate(exc) == _QUERY_CANCELED and not main.lost:
+                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED and not main.lost:
                     await self._release_strays(main)
                 raise
             if lane is None:

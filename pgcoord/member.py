@@ -56,8 +56,6 @@ __all__ = [
 log = logging.getLogger("pgcoord.member")
 
 CHANNEL = "pgcoord_members"
-_SQLSTATE_NAME_TAKEN = "PC003"
-_SQLSTATE_QUERY_CANCELED = "57014"
 
 
 @dataclass(frozen=True)
@@ -399,7 +397,7 @@ class Member:
                         self.application_name, not self.polling,
                     )
                 except Exception as exc:
-                    if _errmap.sqlstate(exc) == _SQLSTATE_NAME_TAKEN:
+                    if _errmap.sqlstate(exc) == _errmap.SQLSTATE_NAME_TAKEN:
                         raise NameTaken(
                             f"a live member of group {self.group!r} is already named {self.name!r}"
                         ) from None
@@ -707,7 +705,7 @@ class Member:
                     try:
                         await watcher.fetchval(query("holder_probe"))
                     except Exception as exc:
-                        if _errmap.sqlstate(exc) != _SQLSTATE_QUERY_CANCELED:  # a late retarget
+                        if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:  # a late retarget
                             raise
                 continue
             self._target = target
@@ -715,7 +713,7 @@ class Member:
                 await watcher.fetchval(query("member_wait_alive"), target)
             except Exception as exc:
                 self._target = None
-                if _errmap.sqlstate(exc) == _SQLSTATE_QUERY_CANCELED:
+                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
                     # Moved on to another successor. The cancel may have landed
                     # just after the grant: let go of the lock if we got it.
                     await self._unwatch(watcher, target, held_or_not=True)
@@ -749,7 +747,7 @@ class Member:
                     await watcher.fetchval(query("member_unwatch"), target)
                 return
             except Exception as exc:
-                if _errmap.sqlstate(exc) != _SQLSTATE_QUERY_CANCELED:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
                     raise
         raise RuntimeError(f"could not give back member {target}'s alive lock")
 
