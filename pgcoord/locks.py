@@ -10,26 +10,20 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
-from types import TracebackType
 from typing import Any, NoReturn
 
 from . import _errmap, metrics
-from ._drivers import check_source, release_async, release_sync, tx_session
-from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
+from ._drivers.base import LockStatement
 from ._keys import LockKeyLike, key_and_name
 from ._queries import query
+from ._txscope import DEAD_POOLED_RETRIES as DEAD_POOLED_RETRIES
+from ._txscope._async.exclusive import AsyncExclusive
+from ._txscope._sync.exclusive import SyncExclusive
 from .errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
 
 __all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
 
 log = logging.getLogger("pgcoord.locks")
-
-# A pooled connection that the server ended while it sat idle in its pool
-# (pg_terminate_backend, a restart, idle_session_timeout) is found out only at its
-# first statement. Nothing is locked and no user code has run then, so the lock is
-# asked for again on another connection, this many more times at most.
-DEAD_POOLED_RETRIES = 2
 
 # Names recorded in pgcoord.lock_names by this process. Recording is best effort
 # and happens once per name, so later uses cost no extra round trip.
@@ -144,178 +138,28 @@ def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) 
     return LockRequest(key, wait=wait, timeout=timeout, shared=shared)
 
 
-class ExclusiveLock:
-    """The context manager returned by :func:`exclusive`. Single use at a time."""
+class ExclusiveLock(AsyncExclusive, SyncExclusive):
+    """The context manager returned by :func:`exclusive`: ``async with`` on an async
+    source, ``with`` on a sync one (the other raises ``TypeError`` saying which to
+    use). Single use at a time. Its halves are in ``pgcoord._txscope``: the ``with``
+    one is generated from the ``async with`` one."""
 
-    def __init__(self, source: Any, request: LockRequest) -> None:
-        check_source(source)
-        self._source = source
-        self.request = request
-        self._session: AsyncTxSession | SyncTxSession | None = None
-        self._joined = False
-        #: Seconds spent waiting for the grant, set on entry (for metrics and logs).
-        self.wait_seconds: float | None = None
+    CALL = "pgcoord.exclusive()"
+    RECORDS = "lock name"
+    _log = log
+    request: LockRequest
 
-    def _start(self, *, want_async: bool) -> Any:
-        if self._session is not None:
-            raise RuntimeError("this pgcoord.exclusive() is already entered; create one per use")
-        session = tx_session(self._source, want_async=want_async)
-        self._session = session
-        return session
+    def _what(self) -> str:
+        return f"lock {self.request.describe()}"
 
-    def _needs_name_record(self) -> bool:
+    def _needs_record(self) -> bool:
         return (
             self.request.name is not None and not self._joined
             and self.request.key not in _recorded_names
         )
 
-    def _name_recorded(self) -> None:
+    def _record_statement(self) -> tuple[str, tuple[Any, ...]]:
+        return query("lock_names_record"), (self.request.key, self.request.name)
+
+    def _recorded(self) -> None:
         _recorded_names.add(self.request.key)
-
-    def _found_dead(self, session: AsyncTxSession | SyncTxSession, exc: BaseException) -> bool:
-        """Whether the connection just checked out of a pool was already dead."""
-        return session.pooled and not self._joined and _errmap.session_gone(exc)
-
-    def _retrying(self, exc: BaseException) -> None:
-        log.info("pgcoord: the pooled connection for lock %s was closed by the server (%r); "
-                 "trying another", self.request.describe(), exc)
-
-    # -- async -----------------------------------------------------------------
-
-    async def __aenter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
-        while True:
-            session = self._start(want_async=True)
-            assert isinstance(session, AsyncTxSession)
-            try:
-                conn = await session.checkout()
-            except BaseException:
-                self._session = None  # nothing checked out: the lock may be entered again
-                raise
-            started = time.monotonic()
-            try:
-                self._joined = session.in_transaction()
-                if self._needs_name_record():
-                    await self._record_name_async(session)
-                if self._joined:
-                    await session.lock_in_savepoint(self.request.statement)
-                else:
-                    await session.begin_locked(self.request.statement)
-            except BaseException as exc:
-                self._session = None
-                await release_async(session, rollback=not self._joined)
-                if retries and self._found_dead(session, exc):
-                    retries -= 1
-                    self._retrying(exc)
-                    continue
-                self.request.raise_translated(exc)
-            break
-        self.wait_seconds = time.monotonic() - started
-        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
-        return conn
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Every way out ends in release_async(): a rollback and a give-back bounded
-        # by CLEANUP_TIMEOUT that leave the caller its own outcome.
-        session, self._session = self._session, None
-        assert isinstance(session, AsyncTxSession)
-        if self._joined:
-            return  # the lock belongs to the caller's transaction
-        if exc_type is not None:
-            await release_async(session, rollback=True)
-            return
-        if not session.in_transaction():
-            await release_async(session, rollback=True)
-            raise self.request.ended_early()
-        try:
-            # Not bounded: the COMMIT is the body's own outcome, and may wait
-            # (deferred triggers) as long as any statement of the body.
-            await session.commit()
-        except BaseException:
-            await release_async(session, rollback=True)
-            raise
-        await release_async(session, rollback=False)
-
-    async def _record_name_async(self, session: AsyncTxSession) -> None:
-        assert self.request.name is not None
-        try:
-            await session.run_autocommit(
-                query("lock_names_record"), (self.request.key, self.request.name)
-            )
-        except Exception as exc:  # best effort: missing schema, no privilege, read-only
-            if _errmap.session_gone(exc):
-                raise  # a dead connection: the lock is asked for on another
-            log.debug("lock name %r not recorded: %s", self.request.name, exc)
-        self._name_recorded()
-
-    # -- sync ------------------------------------------------------------------
-
-    def __enter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
-        while True:
-            session = self._start(want_async=False)
-            assert isinstance(session, SyncTxSession)
-            try:
-                conn = session.checkout()
-            except BaseException:
-                self._session = None
-                raise
-            started = time.monotonic()
-            try:
-                self._joined = session.in_transaction()
-                if self._needs_name_record():
-                    self._record_name_sync(session)
-                if self._joined:
-                    session.lock_in_savepoint(self.request.statement)
-                else:
-                    session.begin_locked(self.request.statement)
-            except BaseException as exc:
-                self._session = None
-                release_sync(session, rollback=not self._joined)
-                if retries and self._found_dead(session, exc):
-                    retries -= 1
-                    self._retrying(exc)
-                    continue
-                self.request.raise_translated(exc)
-            break
-        self.wait_seconds = time.monotonic() - started
-        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
-        return conn
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        session, self._session = self._session, None
-        assert isinstance(session, SyncTxSession)
-        if self._joined:
-            return
-        if exc_type is not None:
-            release_sync(session, rollback=True)
-            return
-        if not session.in_transaction():
-            release_sync(session, rollback=True)
-            raise self.request.ended_early()
-        try:
-            session.commit()
-        except BaseException:
-            release_sync(session, rollback=True)
-            raise
-        release_sync(session, rollback=False)
-
-    def _record_name_sync(self, session: SyncTxSession) -> None:
-        assert self.request.name is not None
-        try:
-            session.run_autocommit(
-                query("lock_names_record"), (self.request.key, self.request.name)
-            )
-        except Exception as exc:
-            if _errmap.session_gone(exc):
-                raise
-            log.debug("lock name %r not recorded: %s", self.request.name, exc)
-        self._name_recorded()
-
-
