@@ -19,6 +19,7 @@ from ._queries import query
 from ._txscope import DEAD_POOLED_RETRIES as DEAD_POOLED_RETRIES
 from ._txscope._async.exclusive import AsyncExclusive
 from ._txscope._sync.exclusive import SyncExclusive
+from ._txscope.base import check_timeout, check_wait, ended_early, request_cache
 from .errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
 
 __all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
@@ -40,17 +41,10 @@ class LockRequest:
         scope: str = "xact",
     ) -> None:
         self.key, self.name = key_and_name(key)
-        if not isinstance(wait, bool):
-            raise TypeError("wait must be a bool")
+        check_wait(wait)
         if not isinstance(shared, bool):
             raise TypeError("shared must be a bool")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-            if not math.isfinite(timeout) or timeout < 0:
-                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-            if not wait:
-                raise ValueError("timeout has no meaning with wait=False")
+        check_timeout(timeout, wait)
         self.wait, self.timeout, self.shared = wait, timeout, shared
         fn = "pg_advisory" + ("_xact" if scope == "xact" else "") + "_lock"
         if shared:
@@ -86,12 +80,7 @@ class LockRequest:
         return None
 
     def ended_early(self) -> PgcoordError:
-        """The body committed or rolled back itself, and so released the lock mid-block."""
-        return PgcoordError(
-            f"the transaction holding advisory lock {self.describe()} was ended inside the block "
-            "(an explicit commit or rollback), which released the lock there; let the block "
-            "commit, or use a savepoint"
-        )
+        return ended_early(f"advisory lock {self.describe()}", "the lock")
 
     def raise_translated(self, exc: BaseException) -> NoReturn:
         mapped = self.translate(exc)
@@ -124,25 +113,16 @@ def exclusive(
     ``with`` for psycopg and SQLAlchemy sync sources. Yields the driver's own
     connection inside an open transaction that also holds the lock.
     """
-    try:
-        request = _request(key, wait, timeout, shared)
-    except TypeError:  # unhashable: build it uncached, which raises the precise error
-        request = LockRequest(key, wait=wait, timeout=timeout, shared=shared)
-    return ExclusiveLock(source, request)
+    return ExclusiveLock(source, _request(key, wait, timeout, shared))
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
+@request_cache
 def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
-    """Requests are immutable and services reuse their keys: validate each once.
-    ``typed`` keeps ``True`` apart from ``1``, which would be refused."""
     return LockRequest(key, wait=wait, timeout=timeout, shared=shared)
 
 
 class ExclusiveLock(AsyncExclusive, SyncExclusive):
-    """The context manager returned by :func:`exclusive`: ``async with`` on an async
-    source, ``with`` on a sync one (the other raises ``TypeError`` saying which to
-    use). Single use at a time. Its halves are in ``pgcoord._txscope``: the ``with``
-    one is generated from the ``async with`` one."""
+    """What :func:`exclusive` returns (see ``pgcoord._txscope.base.TxScoped``)."""
 
     CALL = "pgcoord.exclusive()"
     RECORDS = "lock name"

@@ -28,9 +28,7 @@ the ``with`` half (sync sources) is generated from it.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 from typing import Any, NoReturn
 
 from . import _errmap, metrics
@@ -39,6 +37,7 @@ from ._keys import semaphore_key
 from ._queries import query
 from ._txscope._async.semaphore import AsyncSemaphore
 from ._txscope._sync.semaphore import SyncSemaphore
+from ._txscope.base import check_timeout, check_wait, ended_early, request_cache
 from .errors import LockBusy, LockTableFull, LockTimeout, PgcoordError, SchemaMissing
 
 __all__ = ["SEMAPHORE_RECHECK", "Semaphore", "SemaphoreRequest", "semaphore"]
@@ -70,15 +69,8 @@ class SemaphoreRequest:
             raise TypeError(f"limit must be an int, not {type(limit).__name__}")
         if not 1 <= limit <= MAX_LIMIT:
             raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
-        if not isinstance(wait, bool):
-            raise TypeError("wait must be a bool")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-            if not math.isfinite(timeout) or timeout < 0:
-                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-            if not wait:
-                raise ValueError("timeout has no meaning with wait=False")
+        check_wait(wait)
+        check_timeout(timeout, wait)
         self.name, self.limit, self.wait, self.timeout = name, limit, wait, timeout
         self.key = semaphore_key(name)
         self.take = LockStatement(query("semaphore_take").format(key=self.key, limit=limit),
@@ -141,10 +133,7 @@ class SemaphoreRequest:
         raise mapped from exc
 
     def ended_early(self) -> PgcoordError:
-        return PgcoordError(
-            f"the transaction holding a slot of {self.describe()} was ended inside the block "
-            "(an explicit commit or rollback), which released the slot there; let the block "
-            "commit, or use a savepoint")
+        return ended_early(f"a slot of {self.describe()}", "the slot")
 
 
 def semaphore(
@@ -158,23 +147,16 @@ def semaphore(
     ``wait=False`` raises ``LockBusy`` when every slot is taken; ``timeout`` bounds
     the whole wait (``LockTimeout``).
     """
-    try:
-        request = _request(name, limit, wait, timeout)
-    except TypeError:  # unhashable: build it uncached, which raises the precise error
-        request = SemaphoreRequest(name, limit=limit, wait=wait, timeout=timeout)
-    return Semaphore(source, request)
+    return Semaphore(source, _request(name, limit, wait, timeout))
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
+@request_cache
 def _request(name: str, limit: int, wait: bool, timeout: float | None) -> SemaphoreRequest:
     return SemaphoreRequest(name, limit=limit, wait=wait, timeout=timeout)
 
 
 class Semaphore(AsyncSemaphore, SyncSemaphore):
-    """The context manager returned by :func:`semaphore`: ``async with`` on an async
-    source, ``with`` on a sync one (the other raises ``TypeError`` saying which to
-    use). Single use at a time. Its halves are in ``pgcoord._txscope``: the ``with``
-    one is generated from the ``async with`` one."""
+    """What :func:`semaphore` returns (see ``pgcoord._txscope.base.TxScoped``)."""
 
     CALL = "pgcoord.semaphore()"
     RECORDS = "semaphore"

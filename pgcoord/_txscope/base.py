@@ -3,10 +3,12 @@ use, and the steps of it that do no I/O."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast
 
 from .. import _errmap
 from .._drivers import check_source
@@ -14,6 +16,47 @@ from .._drivers.base import AsyncTxSession, SyncTxSession
 from ..errors import PgcoordError
 
 S = TypeVar("S", AsyncTxSession, SyncTxSession)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def request_cache(build: Callable[P, R]) -> Callable[P, R]:
+    """``build``, cached: requests are immutable and services reuse their keys, so each
+    is validated once (``typed``: ``True`` stays apart from ``1``, which is refused).
+    An unhashable argument builds one uncached, which raises the precise error."""
+    cached = cast("Callable[P, R]", functools.lru_cache(maxsize=4096, typed=True)(build))
+
+    @functools.wraps(build)
+    def request(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return cached(*args, **kwargs)
+        except TypeError:
+            return build(*args, **kwargs)
+
+    return request
+
+
+def check_wait(wait: Any) -> None:
+    if not isinstance(wait, bool):
+        raise TypeError("wait must be a bool")
+
+
+def check_timeout(timeout: Any, wait: bool) -> None:
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+        if not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        if not wait:
+            raise ValueError("timeout has no meaning with wait=False")
+
+
+def ended_early(held: str, it: str) -> PgcoordError:
+    """The body committed or rolled back itself, and so let go of ``held`` mid-block."""
+    return PgcoordError(
+        f"the transaction holding {held} was ended inside the block (an explicit commit or "
+        f"rollback), which released {it} there; let the block commit, or use a savepoint"
+    )
 
 
 class TxRequest(Protocol):
@@ -33,7 +76,11 @@ class TxRequest(Protocol):
 
 
 class TxScoped(ABC):
-    """One use of ``exclusive()`` or ``semaphore()``: single use at a time."""
+    """One use of ``exclusive()`` or ``semaphore()``, single use at a time: with
+    ``async with`` on an async source, ``with`` on a sync one (the other raises
+    ``TypeError`` saying which to use). Its halves (``AsyncTxScoped`` and the
+    generated ``SyncTxScoped``) are made one by the class that ``exclusive()`` or
+    ``semaphore()`` returns, with what it takes and records."""
 
     #: The call, for the error when one object is entered twice at once.
     CALL: str
