@@ -38,12 +38,6 @@ def _module(conn: Any) -> str:
     return type(conn).__module__.partition(".")[0]
 
 
-def can_listen(conn: Any, *, want_async: bool) -> bool:
-    """Whether a wait can hear notifications on this driver connection (asyncpg
-    and psycopg); on others (psycopg2, pg8000 under SQLAlchemy) it retries."""
-    return _module(conn) in (("asyncpg", "psycopg") if want_async else ("psycopg",))
-
-
 class _Wake:
     """Notifications for one key; other keys on the channel are not ours."""
 
@@ -84,13 +78,26 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class AsyncLaneConn:
+class _LaneConn:
+    #: The drivers whose connections a wait can hear notifications on; on others
+    #: (psycopg2, pg8000 under SQLAlchemy) it retries.
+    DRIVERS: tuple[str, ...]
+
+    @classmethod
+    def can_wait_on(cls, conn: Any) -> bool:
+        """Whether a wait can hear notifications on this driver connection."""
+        return _module(conn) in cls.DRIVERS
+
+
+class AsyncLaneConn(_LaneConn):
     """An async driver connection used for a semaphore wait (asyncpg or psycopg)."""
+
+    DRIVERS = ("asyncpg", "psycopg")
 
     def __init__(self, conn: Any, key: int) -> None:
         self.conn = conn
         self.module = _module(conn)
-        if self.module not in ("asyncpg", "psycopg"):
+        if self.module not in self.DRIVERS:
             raise TypeError(f"cannot wait on a {type(conn).__qualname__}")
         self._wake = _Wake(key)
         self._event = asyncio.Event()
@@ -192,12 +199,14 @@ class AsyncLaneConn:
             purge_backlog(self.conn)
 
 
-class SyncLaneConn:
+class SyncLaneConn(_LaneConn):
     """:class:`AsyncLaneConn` for a psycopg sync connection."""
+
+    DRIVERS = ("psycopg",)
 
     def __init__(self, conn: Any, key: int) -> None:
         self.conn = conn
-        if _module(conn) != "psycopg":
+        if not self.can_wait_on(conn):
             raise TypeError(f"cannot wait on a {type(conn).__qualname__}")
         self._wake = _Wake(key)
         self._listening = False

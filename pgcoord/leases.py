@@ -33,9 +33,6 @@ from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, finish_despite_cancel
 from ._drivers import (
     check_source,
-    fetchval_on,
-    fetchval_on_sync,
-    is_async_connection,
     release_async,
     tx_session,
 )
@@ -43,7 +40,9 @@ from ._drivers.base import AsyncTxSession
 from ._drivers.capacity import pool_capacity
 from ._queries import query
 from ._tenure import Doorbell, Tenure, keep_renewed, trust_margin
-from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError, StaleFence
+from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError
+from .fence import SQLSTATE_STALE_FENCE as SQLSTATE_STALE_FENCE
+from .fence import check_fence as check_fence
 
 if TYPE_CHECKING:
     from .member import Member, MemberSession
@@ -53,8 +52,6 @@ __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_h
 log = logging.getLogger("pgcoord.leases")
 
 T = TypeVar("T")
-
-SQLSTATE_STALE_FENCE = "PC002"
 
 # How long leaving a lease may wait for its release before giving up on it (the
 # lease then expires on its own). Also sent to the server as the release's
@@ -567,101 +564,3 @@ class Lease:
             if cancelled:
                 absorb_cancel()
             raise LeaseLost(f"lease {self.name!r} lost: {lost}") from exc
-
-
-# -- check_fence ---------------------------------------------------------------------------------
-
-_OUTSIDE_TRANSACTION = (
-    "check_fence ran outside a transaction, so the row lock that fences the write ended with "
-    "the statement: run it inside the transaction that makes the fenced write "
-    "(asyncpg: `async with conn.transaction():`; psycopg: without autocommit, or in "
-    "`conn.transaction()`; SQLAlchemy: not on an AUTOCOMMIT connection)"
-)
-
-
-def _stale(exc: BaseException, name: str, fence: int) -> BaseException:
-    code = _errmap.sqlstate(exc)
-    if code == SQLSTATE_STALE_FENCE:
-        metrics.fence_rejected(name, fence)
-        message = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        return StaleFence(message)
-    return _errmap.as_schema_missing(exc)
-
-
-def _in_transaction(conn: Any) -> bool | None:
-    """Whether ``conn``'s session is inside a transaction block, as its driver last
-    heard from the server; None where pgcoord cannot tell."""
-    driver = conn
-    root = type(conn).__module__.partition(".")[0]
-    if root == "sqlalchemy":
-        sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's Connection
-        if sync is None or getattr(sync, "invalidated", True) or getattr(sync, "closed", True):
-            return None
-        driver = sync.connection.driver_connection
-        root = type(driver).__module__.partition(".")[0]
-    if root == "asyncpg":
-        return bool(driver.is_in_transaction())
-    if root == "psycopg":
-        from psycopg.pq import TransactionStatus
-
-        status = driver.info.transaction_status
-        if status == TransactionStatus.IDLE:
-            return False
-        if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-            return True
-    return None
-
-
-def _outcome(conn: Any, error: BaseException | None, name: str, fence: int) -> None:
-    """Raise what the check found; misuse first, since it fenced nothing either way."""
-    if _in_transaction(conn) is False:
-        raise PgcoordError(_OUTSIDE_TRANSACTION) from (
-            None if error is None else _stale(error, name, fence))
-    if error is not None:
-        mapped = _stale(error, name, fence)
-        if mapped is error:
-            raise error
-        raise mapped from error
-
-
-def check_fence(conn: Any, name: str, fence: int) -> Any:
-    """Raise ``StaleFence`` unless ``fence`` is current for lease ``name``.
-
-    Locks the lease row ``FOR SHARE`` in ``conn``'s transaction, so a takeover
-    waits until that transaction ends: run it first in the transaction that
-    does the fenced write. Returns an awaitable for async connections (asyncpg,
-    psycopg ``AsyncConnection``, SQLAlchemy ``AsyncConnection``) and runs at
-    once for sync ones (psycopg ``Connection``, SQLAlchemy ``Connection``).
-
-    Outside a transaction the row lock would end with the check's own statement
-    and fence nothing, so that raises ``PgcoordError`` (asyncpg outside
-    ``conn.transaction()``, psycopg in autocommit outside ``conn.transaction()``,
-    SQLAlchemy on an AUTOCOMMIT connection). A psycopg or SQLAlchemy connection
-    without autocommit opens its transaction with the check itself, which is fine:
-    the writes that follow join it until commit.
-
-    The SQL function ``pgcoord.check_fence(name, fence)`` cannot tell: in
-    autocommit, one statement that both checks and writes (a trigger on the
-    written table) is fenced, while a check in a statement of its own followed by
-    a write in another is not. Call it in the same transaction as the write.
-    """
-    validate_name(name)
-    if isinstance(fence, bool) or not isinstance(fence, int):
-        raise TypeError("fence must be an int")
-    sql, params = query("lease_check_fence"), (name, fence)
-    if is_async_connection(conn):
-        async def check() -> None:
-            error: BaseException | None = None
-            try:
-                await fetchval_on(conn, sql, params)
-            except Exception as exc:
-                error = exc
-            _outcome(conn, error, name, fence)
-        return check()
-    error: BaseException | None = None
-    try:
-        fetchval_on_sync(conn, sql, params)
-    except Exception as exc:
-        error = exc
-    _outcome(conn, error, name, fence)
-    return None

@@ -10,26 +10,21 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
-from types import TracebackType
 from typing import Any, NoReturn
 
 from . import _errmap, metrics
-from ._drivers import check_source, release_async, release_sync, tx_session
-from ._drivers.base import AsyncTxSession, LockStatement, SyncTxSession
+from ._drivers.base import LockStatement
 from ._keys import LockKeyLike, key_and_name
 from ._queries import query
+from ._txscope import DEAD_POOLED_RETRIES as DEAD_POOLED_RETRIES
+from ._txscope._async.exclusive import AsyncExclusive
+from ._txscope._sync.exclusive import SyncExclusive
+from ._txscope.base import check_timeout, check_wait, ended_early, request_cache
 from .errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
 
 __all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
 
 log = logging.getLogger("pgcoord.locks")
-
-# A pooled connection that the server ended while it sat idle in its pool
-# (pg_terminate_backend, a restart, idle_session_timeout) is found out only at its
-# first statement. Nothing is locked and no user code has run then, so the lock is
-# asked for again on another connection, this many more times at most.
-DEAD_POOLED_RETRIES = 2
 
 # Names recorded in pgcoord.lock_names by this process. Recording is best effort
 # and happens once per name, so later uses cost no extra round trip.
@@ -46,17 +41,10 @@ class LockRequest:
         scope: str = "xact",
     ) -> None:
         self.key, self.name = key_and_name(key)
-        if not isinstance(wait, bool):
-            raise TypeError("wait must be a bool")
+        check_wait(wait)
         if not isinstance(shared, bool):
             raise TypeError("shared must be a bool")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-            if not math.isfinite(timeout) or timeout < 0:
-                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-            if not wait:
-                raise ValueError("timeout has no meaning with wait=False")
+        check_timeout(timeout, wait)
         self.wait, self.timeout, self.shared = wait, timeout, shared
         fn = "pg_advisory" + ("_xact" if scope == "xact" else "") + "_lock"
         if shared:
@@ -92,12 +80,7 @@ class LockRequest:
         return None
 
     def ended_early(self) -> PgcoordError:
-        """The body committed or rolled back itself, and so released the lock mid-block."""
-        return PgcoordError(
-            f"the transaction holding advisory lock {self.describe()} was ended inside the block "
-            "(an explicit commit or rollback), which released the lock there; let the block "
-            "commit, or use a savepoint"
-        )
+        return ended_early(f"advisory lock {self.describe()}", "the lock")
 
     def raise_translated(self, exc: BaseException) -> NoReturn:
         mapped = self.translate(exc)
@@ -130,192 +113,33 @@ def exclusive(
     ``with`` for psycopg and SQLAlchemy sync sources. Yields the driver's own
     connection inside an open transaction that also holds the lock.
     """
-    try:
-        request = _request(key, wait, timeout, shared)
-    except TypeError:  # unhashable: build it uncached, which raises the precise error
-        request = LockRequest(key, wait=wait, timeout=timeout, shared=shared)
-    return ExclusiveLock(source, request)
+    return ExclusiveLock(source, _request(key, wait, timeout, shared))
 
 
-@functools.lru_cache(maxsize=4096, typed=True)
+@request_cache
 def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
-    """Requests are immutable and services reuse their keys: validate each once.
-    ``typed`` keeps ``True`` apart from ``1``, which would be refused."""
     return LockRequest(key, wait=wait, timeout=timeout, shared=shared)
 
 
-class ExclusiveLock:
-    """The context manager returned by :func:`exclusive`. Single use at a time."""
+class ExclusiveLock(AsyncExclusive, SyncExclusive):
+    """What :func:`exclusive` returns (see ``pgcoord._txscope.base.TxScoped``)."""
 
-    def __init__(self, source: Any, request: LockRequest) -> None:
-        check_source(source)
-        self._source = source
-        self.request = request
-        self._session: AsyncTxSession | SyncTxSession | None = None
-        self._joined = False
-        #: Seconds spent waiting for the grant, set on entry (for metrics and logs).
-        self.wait_seconds: float | None = None
+    CALL = "pgcoord.exclusive()"
+    RECORDS = "lock name"
+    _log = log
+    request: LockRequest
 
-    def _start(self, *, want_async: bool) -> Any:
-        if self._session is not None:
-            raise RuntimeError("this pgcoord.exclusive() is already entered; create one per use")
-        session = tx_session(self._source, want_async=want_async)
-        self._session = session
-        return session
+    def _what(self) -> str:
+        return f"lock {self.request.describe()}"
 
-    def _needs_name_record(self) -> bool:
+    def _needs_record(self) -> bool:
         return (
             self.request.name is not None and not self._joined
             and self.request.key not in _recorded_names
         )
 
-    def _name_recorded(self) -> None:
+    def _record_statement(self) -> tuple[str, tuple[Any, ...]]:
+        return query("lock_names_record"), (self.request.key, self.request.name)
+
+    def _recorded(self) -> None:
         _recorded_names.add(self.request.key)
-
-    def _found_dead(self, session: AsyncTxSession | SyncTxSession, exc: BaseException) -> bool:
-        """Whether the connection just checked out of a pool was already dead."""
-        return session.pooled and not self._joined and _errmap.session_gone(exc)
-
-    def _retrying(self, exc: BaseException) -> None:
-        log.info("pgcoord: the pooled connection for lock %s was closed by the server (%r); "
-                 "trying another", self.request.describe(), exc)
-
-    # -- async -----------------------------------------------------------------
-
-    async def __aenter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
-        while True:
-            session = self._start(want_async=True)
-            assert isinstance(session, AsyncTxSession)
-            try:
-                conn = await session.checkout()
-            except BaseException:
-                self._session = None  # nothing checked out: the lock may be entered again
-                raise
-            started = time.monotonic()
-            try:
-                self._joined = session.in_transaction()
-                if self._needs_name_record():
-                    await self._record_name_async(session)
-                if self._joined:
-                    await session.lock_in_savepoint(self.request.statement)
-                else:
-                    await session.begin_locked(self.request.statement)
-            except BaseException as exc:
-                self._session = None
-                await release_async(session, rollback=not self._joined)
-                if retries and self._found_dead(session, exc):
-                    retries -= 1
-                    self._retrying(exc)
-                    continue
-                self.request.raise_translated(exc)
-            break
-        self.wait_seconds = time.monotonic() - started
-        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
-        return conn
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Every way out ends in release_async(): a rollback and a give-back bounded
-        # by CLEANUP_TIMEOUT that leave the caller its own outcome.
-        session, self._session = self._session, None
-        assert isinstance(session, AsyncTxSession)
-        if self._joined:
-            return  # the lock belongs to the caller's transaction
-        if exc_type is not None:
-            await release_async(session, rollback=True)
-            return
-        if not session.in_transaction():
-            await release_async(session, rollback=True)
-            raise self.request.ended_early()
-        try:
-            # Not bounded: the COMMIT is the body's own outcome, and may wait
-            # (deferred triggers) as long as any statement of the body.
-            await session.commit()
-        except BaseException:
-            await release_async(session, rollback=True)
-            raise
-        await release_async(session, rollback=False)
-
-    async def _record_name_async(self, session: AsyncTxSession) -> None:
-        assert self.request.name is not None
-        try:
-            await session.run_autocommit(
-                query("lock_names_record"), (self.request.key, self.request.name)
-            )
-        except Exception as exc:  # best effort: missing schema, no privilege, read-only
-            if _errmap.session_gone(exc):
-                raise  # a dead connection: the lock is asked for on another
-            log.debug("lock name %r not recorded: %s", self.request.name, exc)
-        self._name_recorded()
-
-    # -- sync ------------------------------------------------------------------
-
-    def __enter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
-        while True:
-            session = self._start(want_async=False)
-            assert isinstance(session, SyncTxSession)
-            try:
-                conn = session.checkout()
-            except BaseException:
-                self._session = None
-                raise
-            started = time.monotonic()
-            try:
-                self._joined = session.in_transaction()
-                if self._needs_name_record():
-                    self._record_name_sync(session)
-                if self._joined:
-                    session.lock_in_savepoint(self.request.statement)
-                else:
-                    session.begin_locked(self.request.statement)
-            except BaseException as exc:
-                self._session = None
-                release_sync(session, rollback=not self._joined)
-                if retries and self._found_dead(session, exc):
-                    retries -= 1
-                    self._retrying(exc)
-                    continue
-                self.request.raise_translated(exc)
-            break
-        self.wait_seconds = time.monotonic() - started
-        metrics.lock_wait(self.request.metric_name, self.wait_seconds)
-        return conn
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        session, self._session = self._session, None
-        assert isinstance(session, SyncTxSession)
-        if self._joined:
-            return
-        if exc_type is not None:
-            release_sync(session, rollback=True)
-            return
-        if not session.in_transaction():
-            release_sync(session, rollback=True)
-            raise self.request.ended_early()
-        try:
-            session.commit()
-        except BaseException:
-            release_sync(session, rollback=True)
-            raise
-        release_sync(session, rollback=False)
-
-    def _record_name_sync(self, session: SyncTxSession) -> None:
-        assert self.request.name is not None
-        try:
-            session.run_autocommit(
-                query("lock_names_record"), (self.request.key, self.request.name)
-            )
-        except Exception as exc:
-            if _errmap.session_gone(exc):
-                raise
-            log.debug("lock name %r not recorded: %s", self.request.name, exc)
-        self._name_recorded()
-
-

@@ -11,6 +11,8 @@ from typing import Any
 from .. import _errmap
 from ..errors import UnsupportedConnection
 from .base import AsyncTxSession, SyncTxSession
+from .release import bounded_async as bounded_async
+from .release import bounded_sync as bounded_sync
 from .release import release_async as release_async
 from .release import release_sync as release_sync
 
@@ -122,6 +124,20 @@ def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSessi
             "not `async with`"
         )
     return cls(source)
+
+
+def tx_session_async(source: Any) -> AsyncTxSession:
+    """``tx_session`` for ``async with`` (generated sync code calls ``tx_session_sync``)."""
+    session = tx_session(source, want_async=True)
+    assert isinstance(session, AsyncTxSession)
+    return session
+
+
+def tx_session_sync(source: Any) -> SyncTxSession:
+    """``tx_session`` for ``with``."""
+    session = tx_session(source, want_async=False)
+    assert isinstance(session, SyncTxSession)
+    return session
 
 
 async def fetchval_on(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:

@@ -13,12 +13,48 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
 
 from .. import _aio
 from .base import AsyncTxSession, SyncTxSession
 
 log = logging.getLogger("pgcoord")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def bounded_async(session: AsyncTxSession, step: Callable[P, Awaitable[T]], /,
+                        *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the cleanup ``step(*args, **kwargs)`` to its end, also when the caller is
+    cancelled meanwhile, for at most ``CLEANUP_TIMEOUT``: past it the session is
+    cut and ``CleanupTimeout`` raised (the step's own except clauses still run, in
+    the task it was left in). See ``_aio.finish_despite_cancel``."""
+    return await _aio.finish_despite_cancel(step(*args, **kwargs), bound=_aio.CLEANUP_TIMEOUT,
+                                            on_timeout=session.sever)
+
+
+def bounded_sync(session: SyncTxSession, step: Callable[P, T], /,
+                 *args: P.args, **kwargs: P.kwargs) -> T:
+    """``bounded_async`` for a sync session: past ``CLEANUP_TIMEOUT`` the watchdog
+    thread cuts the connection, so that a statement blocked in ``step`` returns with
+    an error; the connection is then discarded and ``CleanupTimeout`` raised."""
+    bound = _aio.CLEANUP_TIMEOUT
+    guard = _watchdog.guard(bound, session.sever)
+    try:
+        result = step(*args, **kwargs)
+    except BaseException as exc:
+        if not guard.stop():
+            raise
+        _discard_sync(session)
+        if not isinstance(exc, Exception):
+            raise
+        raise _aio.CleanupTimeout(f"cleanup did not finish within {bound} s; abandoned") from exc
+    if guard.stop():
+        _discard_sync(session)
+        raise _aio.CleanupTimeout(f"cleanup did not finish within {bound} s; abandoned")
+    return result
 
 
 async def release_async(session: AsyncTxSession, *, rollback: bool) -> None:
@@ -33,10 +69,7 @@ async def release_async(session: AsyncTxSession, *, rollback: bool) -> None:
         await session.checkin()
         return
     try:
-        await _aio.finish_despite_cancel(
-            _rollback_and_checkin(session, rollback), bound=_aio.CLEANUP_TIMEOUT,
-            on_timeout=session.sever,
-        )
+        await bounded_async(session, _rollback_and_checkin, session, rollback)
     except _aio.CleanupTimeout as exc:
         log.warning("pgcoord: %s; the connection was closed", exc)
 
@@ -63,11 +96,13 @@ async def _rollback_and_checkin(session: AsyncTxSession, rollback: bool) -> None
             log.warning("pgcoord: giving the connection back failed: %r", exc)
 
 
-
 def release_sync(session: SyncTxSession, *, rollback: bool) -> None:
     """``release_async`` for a sync session: past ``CLEANUP_TIMEOUT`` a watchdog
     shuts the socket down, so that a blocked rollback returns with an error and
     the connection is closed instead of given back.
+
+    Written by hand, not generated: the watchdog's guard ends before the give-back,
+    so that a connection it cut is discarded first and never goes back to its pool.
 
     Only a rollback is watched (about 12% of a sync lock's time went to the
     watchdog): after a COMMIT the connection is idle, and giving an idle psycopg

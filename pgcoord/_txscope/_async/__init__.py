@@ -1,0 +1,2 @@
+"""The halves of ``exclusive()``, ``semaphore()`` and ``check_fence``: ``_async`` is
+written by hand, ``_sync`` is generated from it by tools/generate_sync.py."""
