@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 async def replica(dsn: str, handler: str, out: str) -> None:
     import asyncpg
 
-    import pgcoord._finisher as finisher_module
-    import pgcoord.scheduler as scheduler_module
+    import pgcoord.scheduler.finisher as finisher_module
+    import pgcoord.scheduler.loop as scheduler_module
     from pgcoord._queries import _all
     from pgcoord.scheduler import Scheduler, Slot
 

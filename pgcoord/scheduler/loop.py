@@ -12,7 +12,7 @@ lets exactly one claim succeed, and that replica runs the slot. Every slot since
 a schedule was registered ends as a row in a terminal state with a reason:
 succeeded, failed, abandoned, missed or skipped. Cron expressions are evaluated
 by cronsim, which follows Debian cron across daylight-saving changes
-(``_cron``); a claimed slot runs under a lease-like claim (``_jobrun``).
+(``cron``); a claimed slot runs under a lease-like claim (``runner``).
 
 When a runner dies, its claim expires; with ``on_crash="skip"`` any replica
 then records the slot ``abandoned`` (at most once); with ``"retry"`` one
@@ -37,20 +37,20 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from . import schedules as _schedules
-from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
-from ._cron import Handler, Job, check_expr, check_zone, next_slot, seconds, slots_between
-from ._drivers import check_source, run_statement
-from ._drivers.capacity import pool_capacity
-from ._finisher import Finisher
-from ._jobalerts import FailingWatch
-from ._jobrun import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
-from ._queries import query
-from .errors import PgcoordError, SchemaMissing, UnsupportedConnection
-from .schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
+from .. import schedules as _schedules
+from .._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
+from .._drivers import check_source, run_statement
+from .._drivers.capacity import pool_capacity
+from .._queries import query
+from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
+from ..schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
+from .alerts import FailingWatch
+from .cron import Handler, Job, check_expr, check_zone, next_slot, seconds, slots_between
+from .finisher import Finisher
+from .runner import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
 
 if TYPE_CHECKING:
-    from .member import Member
+    from ..member import Member
 
 __all__ = ["Scheduler", "Slot", "pool_capacity"]
 
