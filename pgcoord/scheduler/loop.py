@@ -44,8 +44,9 @@ from .._drivers.capacity import pool_capacity
 from .._queries import query
 from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from ..schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
+from . import plan
 from .alerts import FailingWatch
-from .cron import Handler, Job, check_expr, check_zone, next_slot, seconds, slots_between
+from .cron import Handler, Job, check_expr, check_zone, seconds
 from .finisher import Finisher
 from .runner import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
 
@@ -59,43 +60,9 @@ log = logging.getLogger("pgcoord.scheduler")
 UTC = dt.UTC
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
-# Entries per schedule_decide statement: a tick that finds more due (10,000
-# schedules on the same minute) sends several, each bounded in time, in an
-# order of its own, so that racing replicas mostly win different batches and
-# the runs spread over them.
-DECIDE_BATCH = 500
-_TINY = dt.timedelta(microseconds=1)
-BACKFILL_MAX = 10_000  # slots per backfill() call
-# After a failed tick (the database gone, a terminated session) the loop waits
-# this long, doubling per failure up to BACKOFF_MAX, with jitter, and goes on.
-BACKOFF_FIRST = 0.1
-BACKOFF_MAX = 5.0
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
-
-
-#: One slot to decide: (job, at, version, act, reason, on_overlap, claim_ms).
-_Entry = tuple[str, dt.datetime, int, str, str | None, str, int]
-
-
-def _batches(groups: list[list[_Entry]]) -> list[list[_Entry]]:
-    """The entries in batches of about DECIDE_BATCH, a job's entries never split
-    (schedule_decide looks at overlaps within a batch), in a random order."""
-    batches: list[list[_Entry]] = [[]]
-    for group in groups:
-        if batches[-1] and len(batches[-1]) + len(group) > DECIDE_BATCH:
-            batches.append([])
-        batches[-1].extend(group)
-    random.shuffle(batches)
-    return [b for b in batches if b]
-
-
-def _backoff(failures: int) -> float:
-    """Seconds to wait after ``failures`` failed ticks in a row: doubling, capped, jittered
-    (so that replicas cut off together do not come back in step)."""
-    base: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2.0 ** max(0, failures - 1))
-    return base * random.uniform(0.5, 1.0)
 
 
 def _refuse_shared_connection(source: Any) -> None:
@@ -261,13 +228,7 @@ class Scheduler(SlotRunner):
 
     def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
         """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
-        spec = self._job(job)
-        at = (after or dt.datetime.now(UTC)).astimezone(UTC)
-        runs = []
-        for _ in range(n):
-            at = spec.next_after(at)
-            runs.append(at)
-        return runs
+        return plan.upcoming(self._job(job), after or dt.datetime.now(UTC), n)
 
     def _job(self, job: str) -> Job:
         spec = self._specs.get(job) or self.jobs.get(job)
@@ -348,7 +309,7 @@ class Scheduler(SlotRunner):
                     wake = await self.tick()
                 except Exception as exc:  # the database went away: back off, never end run()
                     failures += 1
-                    pause = _backoff(failures)
+                    pause = plan.backoff(failures)
                     log.warning("scheduler tick failed (%d in a row), trying again in %.2f s: %r",
                                 failures, pause, exc)
                 else:
@@ -493,7 +454,7 @@ class Scheduler(SlotRunner):
         failures = 0
         while not self._draining:
             failures += 1
-            await asyncio.sleep(_backoff(failures))
+            await asyncio.sleep(plan.backoff(failures))
             try:
                 await self._declare()
             except Exception as exc:
@@ -612,16 +573,10 @@ class Scheduler(SlotRunner):
             except Exception as exc:
                 log.warning("scheduler: taking owed runs failed: %r", exc)
         await self._housekeeping()
-        wake: float = now.timestamp() + self._max_sleep
-        for spec in self._specs.values():
-            if spec.next_due is not None:
-                wake = min(wake, spec.next_due.timestamp())
-        return wake
+        return plan.next_wake(self._specs.values(), now, self._max_sleep)
 
     async def _decide_due(self, now: dt.datetime) -> None:
-        due = [s for s in self._specs.values() if s.next_due is not None and s.next_due <= now]
-        plain = [s for s in due if not s.jitter]
-        jittered = [s for s in due if s.jitter]
+        plain, jittered = plan.due(self._specs.values(), now)
         await asyncio.gather(self._decide(plain, now),
                              *(self._decide_jittered(s) for s in jittered))
 
@@ -640,28 +595,11 @@ class Scheduler(SlotRunner):
             runner = self.runner
         except NotJoined:
             return  # the member is (re)joining: claim nothing until it has
-        groups: list[list[_Entry]] = []
-        decided: dict[str, dt.datetime] = {}
-        for spec in specs:
-            todo, last = spec.decide(now)
-            on_overlap = ("run" if spec.allow_overlap
-                          else "wait" if spec.catch_up == "all" else "skip")
-            if on_overlap == "wait":
-                # A backlog runs one slot after another: the second run of this
-                # batch would only wait, so it and what follows wait for a later tick.
-                runs = [at for at, act, _ in todo if act == "run"]
-                if len(runs) > 1:
-                    todo = [t for t in todo if t[0] < runs[1]]
-                    last = runs[1] - _TINY
-            ms = int(spec.claim_ttl * 1000)
-            if todo:
-                groups.append([(spec.name, at, spec.version, act, reason, on_overlap, ms)
-                               for at, act, reason in todo])
-            decided[spec.name] = last
+        groups, decided = plan.entries(specs, now)
         by_name = {spec.name: spec for spec in specs}
         waiting: dict[str, dt.datetime] = {}
         stale: set[str] = set()
-        for part in _batches(groups):
+        for part in plan.batches(groups):
             sent = time.monotonic()
             row = await run_statement(self._source, query("schedule_decide"), (
                 [e[0] for e in part], [e[1] for e in part], [e[2] for e in part],
@@ -679,15 +617,8 @@ class Scheduler(SlotRunner):
                     stale.add(job)
                 else:
                     log.info("job %r slot %s skipped: the previous run is still going", job, at)
-        for spec in specs:
-            if spec.name in stale:
-                self._epoch = None  # changed under us: reload and decide again
-            elif spec.name in waiting:
-                spec.after = min(decided[spec.name], waiting[spec.name] - _TINY)
-                spec.next_due = waiting[spec.name]
-            else:
-                spec.after = max(spec.after or decided[spec.name], decided[spec.name])
-                spec.next_due = spec.next_after(spec.after)
+        if plan.settle(specs, decided, waiting, stale):
+            self._epoch = None  # changed under us: reload and decide again
 
     async def _take_owed(self, owed: list[tuple[str, Any, Any, Any]]) -> None:
         """Runs owed (a trigger from SQL or the CLI, a resume with catch_up latest) of
@@ -701,9 +632,7 @@ class Scheduler(SlotRunner):
             runner = self.runner
         except NotJoined:
             return
-        runs = [after is None or until is None
-                or next_slot(spec.expr, spec.tz, as_utc(after)) <= as_utc(until)
-                for spec, _, after, until in mine]
+        runs = plan.owed_runs(mine)
         sent = time.monotonic()
         row = await run_statement(self._source, query("schedule_take_owed"), (
             [m[0].name for m in mine], [m[1] for m in mine], runs,
@@ -807,21 +736,9 @@ class Scheduler(SlotRunner):
         [start, end] (a past range) that has no row yet; a slot that has one (run,
         missed, skipped — here or by another backfill) keeps it. Returns the slots
         run here."""
-        for what, value in (("start", start), ("end", end)):
-            if not isinstance(value, dt.datetime) or value.utcoffset() is None:
-                raise ValueError(f"backfill {what} must be an aware datetime, got {value!r}")
-        if start > end:
-            raise ValueError(f"backfill start {start} is after its end {end}")
+        plan.check_range(start, end)
         spec = await self._handled(job)
-        now = await self._database_now()
-        if end > now:
-            raise ValueError(f"backfill end {end} is in the future (database clock {now}): "
-                             "the scheduler runs slots as they come due")
-        slots = slots_between(spec.expr, spec.tz, start.astimezone(UTC) - _TINY,
-                              end.astimezone(UTC), limit=BACKFILL_MAX + 1)
-        if len(slots) > BACKFILL_MAX:
-            raise ValueError(f"backfill of {job!r} from {start} to {end} is more than "
-                             f"{BACKFILL_MAX} slots; split the range")
+        slots = plan.backfill_slots(spec, start, end, await self._database_now())
         ran: list[Slot] = []
         for at in slots:
             try:
