@@ -39,9 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import schedules as _schedules
 from .._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
-from .._drivers import check_source, run_statement
+from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
-from .._queries import query
 from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from ..schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
 from . import plan
@@ -49,6 +48,7 @@ from .alerts import FailingWatch
 from .cron import Handler, Job, check_expr, check_zone, seconds
 from .finisher import Finisher
 from .runner import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
+from .store import Store, refuse_shared_connection
 
 if TYPE_CHECKING:
     from ..member import Member
@@ -63,22 +63,6 @@ ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
 
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
-
-
-def _refuse_shared_connection(source: Any) -> None:
-    """A SQLAlchemy engine whose pool hands one connection to every checkout is a
-    bare connection in disguise: the scheduler's concurrent statements would meet on it."""
-    if type(source).__module__.partition(".")[0] != "sqlalchemy":
-        return
-    from sqlalchemy.pool import AssertionPool, StaticPool
-
-    pool = source.sync_engine.pool
-    if isinstance(pool, StaticPool | AssertionPool):
-        raise UnsupportedConnection(
-            f"Scheduler runs statements concurrently and cannot use an engine with a "
-            f"{type(pool).__name__}, which lends one connection to every checkout; "
-            "use the default pool (AsyncAdaptedQueuePool) or NullPool"
-        )
 
 
 class Scheduler(SlotRunner):
@@ -98,13 +82,14 @@ class Scheduler(SlotRunner):
         member: Member | None = None, alert_after: int = 3,
     ) -> None:
         check_source(source, need_async=True, background="Scheduler")
-        _refuse_shared_connection(source)
+        refuse_shared_connection(source)
         if member is not None and runner is not None:
             raise ValueError("runner= and member= exclude each other: with a member, the runner "
                              "is named after the member")
         if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
             raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
         self._source = source
+        self._store = Store(source)
         self._member = member
         self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         #: The jobs declared in code with ``@cron``, by name.
@@ -413,13 +398,13 @@ class Scheduler(SlotRunner):
 
     async def _expire_claims_of(self, member_id: int) -> None:
         try:
-            row = await run_statement(self._source, query("job_expire_member_claims"), (member_id,))
+            expired = await self._store.expire_claims_of(member_id)
         except Exception as exc:  # the claims still expire on their own
             log.warning("scheduler: expiring the claims of member %d failed: %r", member_id, exc)
             return
-        if row is not None and row[0]:
+        if expired:
             log.warning("scheduler: member %d is gone; %d running claim(s) of it expired now",
-                        member_id, row[0])
+                        member_id, expired)
             self._last_recover = 0.0  # look for them on this very tick
             self._wake.set()
 
@@ -446,9 +431,8 @@ class Scheduler(SlotRunner):
                      "catch_up": s.catch_up, "deadline": s.deadline, "allow_overlap": s.allow_overlap,
                      "timeout": s.timeout, "max_attempts": s.max_attempts}
                     for s in self.jobs.values()]
-        row = await run_statement(self._source, query("schedule_declare"), (json.dumps(declared),))
-        assert row is not None
-        self._clock_offset = row[0].timestamp() - time.time()
+        at = await self._store.declare(json.dumps(declared))
+        self._clock_offset = at.timestamp() - time.time()
 
     async def _declare_again(self) -> None:
         failures = 0
@@ -495,20 +479,15 @@ class Scheduler(SlotRunner):
     async def _reload(self) -> None:
         """Load every schedule this replica has a handler for; keep what was decided
         of those whose version did not change."""
-        row = await run_statement(self._source, query("schedule_load"),
-                                  (list(self._handlers), list(self.jobs)))
-        assert row is not None
-        epoch, now = int(row[0]), as_utc(row[1])
-        columns = row[2:]
+        epoch, rows = await self._store.load(list(self._handlers), list(self.jobs))
         specs: dict[str, Job] = {}
-        if columns[0] is not None:
-            for values in zip(*columns, strict=True):
-                spec = self._spec_from_row(values, now)
-                if spec is not None:
-                    specs[spec.name] = spec
+        for values in rows:
+            spec = self._spec_from_row(values)
+            if spec is not None:
+                specs[spec.name] = spec
         self._specs, self._epoch = specs, epoch
 
-    def _spec_from_row(self, values: tuple[Any, ...], now: dt.datetime) -> Job | None:
+    def _spec_from_row(self, values: tuple[Any, ...]) -> Job | None:
         (name, handler_name, expr, tz, args, paused, on_crash, catch_up, deadline, allow_overlap,
          timeout, max_attempts, in_code, since, paused_at, resumed_at, version, last) = values
         version = int(version)
@@ -548,10 +527,8 @@ class Scheduler(SlotRunner):
     async def tick(self) -> float:
         """One pass over every schedule; returns when (database epoch seconds) to look
         again. The due slots of all schedules are decided together, in batches."""
-        row = await run_statement(self._source, query("schedule_tick"), ())
-        assert row is not None
-        now, epoch = as_utc(row[0]) + dt.timedelta(seconds=self._time_shift), int(row[1])
-        owed = [] if row[2] is None else list(zip(row[2], row[3], row[4], row[5], strict=True))
+        now, epoch, owed = await self._store.clock()
+        now += dt.timedelta(seconds=self._time_shift)
         self._clock_offset = now.timestamp() - time.time()
         # A reload (of every schedule: ~0.2 s for 10,000) comes after this tick's
         # decisions, not before, so that a stream of changes does not hold up the
@@ -601,14 +578,8 @@ class Scheduler(SlotRunner):
         stale: set[str] = set()
         for part in plan.batches(groups):
             sent = time.monotonic()
-            row = await run_statement(self._source, query("schedule_decide"), (
-                [e[0] for e in part], [e[1] for e in part], [e[2] for e in part],
-                [e[3] for e in part], [e[4] for e in part], [e[5] for e in part],
-                [e[6] for e in part], runner))
-            if row is None or row[0] is None:
-                continue
-            for job, at, state, attempt in zip(*row, strict=True):
-                spec, at = by_name[job], as_utc(at)
+            for job, at, state, attempt in await self._store.decide(part, runner):
+                spec = by_name[job]
                 if state == "running":
                     self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
                 elif state == "waiting":
@@ -634,16 +605,11 @@ class Scheduler(SlotRunner):
             return
         runs = plan.owed_runs(mine)
         sent = time.monotonic()
-        row = await run_statement(self._source, query("schedule_take_owed"), (
-            [m[0].name for m in mine], [m[1] for m in mine], runs,
-            [int(m[0].claim_ttl * 1000) for m in mine], runner))
-        if row is None or row[0] is None:
-            return
+        taken = await self._store.take_owed([m[0] for m in mine], [m[1] for m in mine], runs, runner)
         by_name = {m[0].name: m[0] for m in mine}  # not self._specs: a reload may replace it
-        for job, at, attempt, manual in zip(*row, strict=True):
+        for job, at, attempt, manual in taken:
             spec = by_name[job]
-            self._start(spec, Slot(job, as_utc(at), int(attempt), manual=bool(manual),
-                                   args=spec.args), sent, runner)
+            self._start(spec, Slot(job, at, attempt, manual=manual, args=spec.args), sent, runner)
 
     async def _housekeeping(self) -> None:
         """Expired claims, retention and failure alerts, each now and then; a pass
@@ -661,7 +627,7 @@ class Scheduler(SlotRunner):
         if clock - self._last_prune > PRUNE_EVERY:
             self._last_prune = clock
             try:
-                await self._prune(specs)
+                await self._store.prune(specs)
             except Exception as exc:
                 log.warning("scheduler: retention pass failed: %r", exc)
         if clock - self._last_alert_check > ALERT_EVERY:
@@ -677,30 +643,16 @@ class Scheduler(SlotRunner):
         except NotJoined:
             return
         sent = time.monotonic()
-        row = await run_statement(self._source, query("schedule_recover"), (
-            [s.name for s in specs], [int(s.claim_ttl * 1000) for s in specs],
-            [s.on_crash == "retry" for s in specs], [s.max_attempts for s in specs], runner))
-        if row is None or row[0] is None:
-            return
+        taken = await self._store.recover(specs, runner)
         by_name = {s.name: s for s in specs}  # not self._specs: a reload may replace it
-        for job, at, attempt in zip(*row, strict=True):
-            spec, at = by_name[job], as_utc(at)
+        for job, at, attempt in taken:
+            spec = by_name[job]
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
-            self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
-
-    async def _prune(self, specs: list[Job], *, batch: int = 1000) -> int:
-        total = 0
-        while True:
-            row = await run_statement(self._source, query("schedule_prune"), (
-                [s.name for s in specs], [int(s.keep * 1000) for s in specs], batch))
-            deleted = int(row[0]) if row else 0
-            total += deleted
-            if deleted < batch:
-                return total
+            self._start(spec, Slot(job, at, attempt, args=spec.args), sent, runner)
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
-        return await self._prune([self._job(job)], batch=batch)
+        return await self._store.prune([self._job(job)], batch=batch)
 
     async def check_failing(self) -> list[str]:
         """The schedules (not paused; whoever runs them, so one whose handler no
@@ -724,10 +676,8 @@ class Scheduler(SlotRunner):
             raise PgcoordError("the scheduler's member is not joined (its session is being "
                                "reconnected); trigger again shortly") from None
         sent = time.monotonic()
-        row = await run_statement(self._source, query("job_claim_now"),
-                                  (spec.name, runner, int(spec.claim_ttl * 1000)))
-        assert row is not None
-        slot = Slot(spec.name, row[2], int(row[1]), manual=True, args=spec.args)
+        at, attempt = await self._store.claim_now(spec, runner)
+        slot = Slot(spec.name, at, attempt, manual=True, args=spec.args)
         await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
         return slot
 
@@ -747,16 +697,13 @@ class Scheduler(SlotRunner):
                 raise PgcoordError("the scheduler's member is not joined (its session is being "
                                    "reconnected); backfill again shortly") from None
             sent = time.monotonic()
-            claim = await run_statement(self._source, query("job_claim"),
-                                        (spec.name, at, runner, int(spec.claim_ttl * 1000), "run"))
-            if claim is None or claim[0] != "running":
+            attempt = await self._store.claim(spec, at, runner)
+            if attempt is None:
                 continue  # the slot has its row already
-            slot = Slot(spec.name, at, int(claim[1]), args=spec.args)
+            slot = Slot(spec.name, at, attempt, args=spec.args)
             await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
             ran.append(slot)
         return ran
 
     async def _database_now(self) -> dt.datetime:
-        row = await run_statement(self._source, query("schedule_tick"), ())
-        assert row is not None
-        return as_utc(row[0])
+        return await self._store.now()
