@@ -27,42 +27,41 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 import os
 import random
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+# pgcoord.schedules imports scheduler.cron: read from it at call time only, so that
+# either may be imported first.
 from .. import schedules as _schedules
 from .._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
-from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
-from ..schedules import SCHEDULES_CHANNEL, ScheduleInfo, check_options
+from ..errors import PgcoordError, SchemaMissing
 from . import plan
 from .alerts import FailingWatch
-from .cron import Handler, Job, check_expr, check_zone, seconds
+from .cron import Job, seconds
 from .finisher import Finisher
-from .runner import Claim, NotJoined, Run, Slot, SlotRunner, as_utc
+from .registry import JobFn, Registry
+from .runner import Claim, NotJoined, Run, Slot, SlotRunner
 from .store import Store, refuse_shared_connection
 
 if TYPE_CHECKING:
     from ..member import Member
+    from ..schedules import ScheduleInfo
 
-__all__ = ["Scheduler", "Slot", "pool_capacity"]
+__all__ = ["Scheduler"]
 
 log = logging.getLogger("pgcoord.scheduler")
 
 UTC = dt.UTC
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
-
-
-JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
 
 
 class Scheduler(SlotRunner):
@@ -92,19 +91,17 @@ class Scheduler(SlotRunner):
         self._store = Store(source)
         self._member = member
         self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        #: The jobs declared in code with ``@cron``, by name.
-        self.jobs: dict[str, Job] = {}
-        self._handlers: dict[str, Handler] = {}
         #: Every schedule this replica runs (code and runtime), as last loaded.
         self._specs: dict[str, Job] = {}
         self._epoch: int | None = None  # the schedules' change counter at the last load
         self._max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
-        self._capacity = pool_capacity(source)
+        capacity = pool_capacity(source)
+        self._registry = Registry(capacity)
         # A transactional run holds a pool connection for its whole body; the
         # ticks, heartbeats and records need one more. So at most capacity - 1
         # such runs hold one at a time, and the rest wait their turn.
-        self._tx_turns = (asyncio.Semaphore(self._capacity - 1)
-                          if self._capacity is not None and self._capacity > 1 else None)
+        self._tx_turns = (asyncio.Semaphore(capacity - 1)
+                          if capacity is not None and capacity > 1 else None)
         self._running: dict[tuple[str, dt.datetime], Run] = {}
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
@@ -119,8 +116,12 @@ class Scheduler(SlotRunner):
         self._last_prune = 0.0
         self._last_alert_check = time.monotonic()
         self._alerts = FailingWatch(alert_after)
-        self._bad_rows: set[tuple[str, int]] = set()  # rows already logged as unusable
         self._finisher = Finisher(source)
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """The jobs declared in code with ``@cron``, by name."""
+        return self._registry.jobs
 
     @property
     def runner(self) -> str:
@@ -146,32 +147,10 @@ class Scheduler(SlotRunner):
         """Register ``fn`` as job ``job`` on cron ``expr`` (5 fields, or 6 with seconds
         first). Its schedule is written to ``pgcoord.schedules`` when ``run()`` starts;
         the code owns it (``update()``/``remove()`` refuse it, ``pause()`` works)."""
-        if not isinstance(job, str) or not job:
-            raise ValueError("job name must be a non-empty str")
-        if job in self.jobs:
-            raise ValueError(f"job {job!r} is already registered")
-        zone = check_zone(tz)
-        check_expr(expr, zone)
-        opts = check_options(on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
-                             deadline=deadline, allow_overlap=allow_overlap, timeout=timeout)
-        handler = self._handler(job, None, transactional, jitter, claim_ttl, keep)
-        spec = Job(
-            name=job, expr=expr, tz=zone, fn=None,  # type: ignore[arg-type]
-            on_crash=opts["on_crash"], max_attempts=opts["max_attempts"],
-            catch_up=opts["catch_up"], deadline=opts["deadline"],
-            transactional=handler.transactional, allow_overlap=opts["allow_overlap"],
-            jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
-            timeout=opts["timeout"], handler=job, args={},
-        )
-
-        def register(fn: JobFn) -> JobFn:
-            if not asyncio.iscoroutinefunction(fn):
-                raise TypeError(f"job {job!r} must be an async function")
-            spec.fn = fn
-            self.jobs[job] = spec
-            return fn
-
-        return register
+        return self._registry.cron(
+            job, expr, tz=tz, on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
+            deadline=deadline, transactional=transactional, allow_overlap=allow_overlap,
+            jitter=jitter, claim_ttl=claim_ttl, keep=keep, timeout=timeout)
 
     def job(
         self, handler: str, *, transactional: bool = False, jitter: float = 0.0,
@@ -180,36 +159,8 @@ class Scheduler(SlotRunner):
         """Register ``fn`` as handler ``handler``, with no schedule of its own: the
         schedules added with ``add(..., handler=handler)`` run it, on the replicas
         that register it (and only there)."""
-        if not isinstance(handler, str) or not handler:
-            raise ValueError("handler name must be a non-empty str")
-        if handler in self._handlers:
-            raise ValueError(f"handler {handler!r} is already registered")
-        spec = self._handler(handler, None, transactional, jitter, claim_ttl, keep)
-
-        def register(fn: JobFn) -> JobFn:
-            if not asyncio.iscoroutinefunction(fn):
-                raise TypeError(f"handler {handler!r} must be an async function")
-            spec.fn = fn
-            self._handlers[handler] = spec
-            return fn
-
-        return register
-
-    def _handler(self, name: str, fn: JobFn | None, transactional: bool, jitter: float,
-                 claim_ttl: float, keep: float) -> Handler:
-        if transactional and self._capacity is not None and self._capacity < 2:
-            raise UnsupportedConnection(
-                f"job {name!r}: a transactional job holds a pool connection for its whole run, "
-                "and the scheduler needs another meanwhile to renew the slot's claim; this pool "
-                f"lends at most {self._capacity} connection: give it max_size >= 2 "
-                "(SQLAlchemy: pool_size + max_overflow >= 2)"
-            )
-        return Handler(
-            fn=fn,  # type: ignore[arg-type]
-            transactional=bool(transactional), jitter=seconds(jitter, "jitter") or 0.0,
-            claim_ttl=seconds(claim_ttl, "claim_ttl", minimum=0.3) or 30.0,
-            keep=seconds(keep, "keep", minimum=1.0) or 30 * 86400.0,
-        )
+        return self._registry.job(handler, transactional=transactional, jitter=jitter,
+                                  claim_ttl=claim_ttl, keep=keep)
 
     def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
         """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
@@ -276,7 +227,7 @@ class Scheduler(SlotRunner):
 
     async def run(self) -> None:
         """Run every due slot of the schedules this replica has handlers for, until ``stop()``."""
-        if not self.jobs and not self._handlers:
+        if not self.jobs and not self._registry.handlers:
             raise ValueError("no jobs registered: decorate functions with @scheduler.cron(...) "
                              "or @scheduler.job(...)")
         if self._run_task is not None:
@@ -392,7 +343,7 @@ class Scheduler(SlotRunner):
             self._wake.set()
 
         try:
-            self._unlisten = await member.listen(SCHEDULES_CHANNEL, changed)
+            self._unlisten = await member.listen(_schedules.SCHEDULES_CHANNEL, changed)
         except Exception as exc:  # the counter still finds every change
             log.warning("scheduler: cannot LISTEN for schedule changes, polling only: %r", exc)
 
@@ -427,11 +378,7 @@ class Scheduler(SlotRunner):
         return None
 
     async def _declare(self) -> None:
-        declared = [{"name": s.name, "expr": s.expr, "tz": s.tz.key, "on_crash": s.on_crash,
-                     "catch_up": s.catch_up, "deadline": s.deadline, "allow_overlap": s.allow_overlap,
-                     "timeout": s.timeout, "max_attempts": s.max_attempts}
-                    for s in self.jobs.values()]
-        at = await self._store.declare(json.dumps(declared))
+        at = await self._store.declare(self._registry.declared())
         self._clock_offset = at.timestamp() - time.time()
 
     async def _declare_again(self) -> None:
@@ -479,50 +426,13 @@ class Scheduler(SlotRunner):
     async def _reload(self) -> None:
         """Load every schedule this replica has a handler for; keep what was decided
         of those whose version did not change."""
-        epoch, rows = await self._store.load(list(self._handlers), list(self.jobs))
+        epoch, rows = await self._store.load(list(self._registry.handlers), list(self.jobs))
         specs: dict[str, Job] = {}
         for values in rows:
-            spec = self._spec_from_row(values)
+            spec = self._registry.spec_from_row(values, self._specs)
             if spec is not None:
                 specs[spec.name] = spec
         self._specs, self._epoch = specs, epoch
-
-    def _spec_from_row(self, values: tuple[Any, ...]) -> Job | None:
-        (name, handler_name, expr, tz, args, paused, on_crash, catch_up, deadline, allow_overlap,
-         timeout, max_attempts, in_code, since, paused_at, resumed_at, version, last) = values
-        version = int(version)
-        old = self._specs.get(name)
-        if old is not None and old.version == version:
-            return old
-        handler: Handler | Job | None = self.jobs.get(name) if in_code else self._handlers.get(handler_name)
-        if handler is None:
-            return None
-        try:
-            zone = check_zone(tz)
-            check_expr(expr, zone)
-        except ValueError as exc:  # written by hand in SQL, perhaps: run nothing of it
-            if (name, version) not in self._bad_rows:
-                self._bad_rows.add((name, version))
-                log.error("schedule %r (version %d) cannot run: %s", name, version, exc)
-            return None
-        since = as_utc(since)
-        spec = Job(
-            name=name, expr=expr, tz=zone, fn=handler.fn, on_crash=on_crash,
-            max_attempts=int(max_attempts), catch_up=catch_up,
-            deadline=None if deadline is None else float(deadline),
-            transactional=handler.transactional, allow_overlap=bool(allow_overlap),
-            jitter=handler.jitter, claim_ttl=handler.claim_ttl, keep=handler.keep,
-            registered_at=since, timeout=None if timeout is None else float(timeout),
-            handler=handler_name, args=json.loads(args), version=version, paused=bool(paused),
-            paused_at=None if paused_at is None else as_utc(paused_at),
-            resumed_at=None if resumed_at is None else as_utc(resumed_at), in_code=bool(in_code),
-        )
-        decided = [since] + ([] if last is None else [as_utc(last)])
-        if old is not None and old.after is not None:
-            decided.append(old.after)
-        spec.after = max(decided)
-        spec.next_due = spec.next_after(spec.after)
-        return spec
 
     async def tick(self) -> float:
         """One pass over every schedule; returns when (database epoch seconds) to look
