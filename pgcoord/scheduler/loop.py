@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Any
 # pgcoord.schedules imports scheduler.cron: read from it at call time only, so that
 # either may be imported first.
 from .. import schedules as _schedules
-from .._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
+from .._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
 from ..errors import PgcoordError, SchemaMissing
 from . import plan
 from .alerts import FailingWatch
 from .cron import Job, seconds
-from .finisher import Finisher
 from .registry import JobFn, Registry
-from .runner import Claim, NotJoined, Run, Slot, SlotRunner
+from .runner import NotJoined, Slot
+from .runs import Runs
 from .store import Store, refuse_shared_connection
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
 
 
-class Scheduler(SlotRunner):
+class Scheduler:
     """Run-once cron across every replica that runs the same code; see DESIGN §4 and §9.
 
     Schedules are rows of ``pgcoord.schedules``: those declared in code with
@@ -97,14 +97,7 @@ class Scheduler(SlotRunner):
         self._max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
         capacity = pool_capacity(source)
         self._registry = Registry(capacity)
-        # A transactional run holds a pool connection for its whole body; the
-        # ticks, heartbeats and records need one more. So at most capacity - 1
-        # such runs hold one at a time, and the rest wait their turn.
-        self._tx_turns = (asyncio.Semaphore(capacity - 1)
-                          if capacity is not None and capacity > 1 else None)
-        self._running: dict[tuple[str, dt.datetime], Run] = {}
         self._run_task: asyncio.Task[Any] | None = None
-        self._stopping = False
         self._draining = False
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
@@ -112,11 +105,12 @@ class Scheduler(SlotRunner):
         # under pgcoord.testing.advance(), which moves a test's scheduler forward.
         self._time_shift = 0.0
         self._wake = asyncio.Event()
+        #: The slots running here (the runner): a part of the scheduler, not a base class.
+        self._runs = Runs(source, capacity, self._wake)
         self._last_recover = 0.0
         self._last_prune = 0.0
         self._last_alert_check = time.monotonic()
         self._alerts = FailingWatch(alert_after)
-        self._finisher = Finisher(source)
 
     @property
     def jobs(self) -> dict[str, Job]:
@@ -232,7 +226,8 @@ class Scheduler(SlotRunner):
                              "or @scheduler.job(...)")
         if self._run_task is not None:
             raise RuntimeError("this Scheduler is already running")
-        self._run_task, self._stopping, self._draining = asyncio.current_task(), False, False
+        self._run_task, self._draining = asyncio.current_task(), False
+        self._runs.stopping = False
         unhook = self._hook_member()
         declaring: asyncio.Task[None] | None = None
         try:
@@ -253,11 +248,11 @@ class Scheduler(SlotRunner):
                     pause = max(0.0, min(wake - self._db_now(), self._max_sleep))
                 await self._sleep(pause)
             # Draining: no more claims; let running slots finish for a while.
-            running = [run.task for run in self._running.values() if run.task is not None]
+            running = self._runs.tasks()
             if running:
                 await asyncio.wait(running, timeout=self._drain)
         except asyncio.CancelledError:
-            if not self._stopping:
+            if not self._runs.stopping:
                 raise
             absorb_cancel()
         finally:
@@ -265,16 +260,7 @@ class Scheduler(SlotRunner):
             if declaring is not None:
                 declaring.cancel()
                 declaring.add_done_callback(consume_result)
-            try:
-                await finish_despite_cancel(self._stop_runs(), bound=2 * CLEANUP_TIMEOUT)
-            except CleanupTimeout:
-                log.warning("scheduler: runs still going %.0f s after being cancelled were left"
-                            " behind (their claims expire)", 2 * CLEANUP_TIMEOUT)
-            try:
-                await finish_despite_cancel(self._finisher.close(), bound=CLEANUP_TIMEOUT)
-            except CleanupTimeout:
-                log.warning("scheduler: recording the last runs' ends was abandoned after %.0f s"
-                            " (their claims expire)", CLEANUP_TIMEOUT)
+            await self._runs.close()
             self._run_task = None
 
     def _hook_member(self) -> Callable[[], None]:
@@ -292,14 +278,10 @@ class Scheduler(SlotRunner):
             task.add_done_callback(consume_result)
 
         def on_session_lost(old_id: int) -> None:
-            suffix = f"/{old_id}"
-            for run in list(self._running.values()):
-                if run.runner.endswith(suffix) and run.body is not None:
-                    self._lose(run, run.body, "the member's session, which the claim is tied to, ended")
-                    cut = asyncio.ensure_future(self._insist(run, run.body))
-                    tasks.add(cut)
-                    cut.add_done_callback(tasks.discard)
-                    cut.add_done_callback(consume_result)
+            for cut in self._runs.cut_off_session(f"/{old_id}"):
+                tasks.add(cut)
+                cut.add_done_callback(tasks.discard)
+                cut.add_done_callback(consume_result)
             # A change notified while the session is away is lost: tick (and read
             # the change counter) as soon as the member listens again, not at the
             # next tick, which may be `tick` seconds away.
@@ -415,7 +397,7 @@ class Scheduler(SlotRunner):
         self._draining = True
         self._wake.set()
         done, _ = await asyncio.wait({task}, timeout=drain + 2 * CLEANUP_TIMEOUT)
-        self._stopping = True
+        self._runs.stopping = True
         if not done:
             task.cancel()
             await asyncio.wait({task})
@@ -491,7 +473,7 @@ class Scheduler(SlotRunner):
             for job, at, state, attempt in await self._store.decide(part, runner):
                 spec = by_name[job]
                 if state == "running":
-                    self._start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
+                    self._runs.start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
                 elif state == "waiting":
                     waiting[job] = min(at, waiting.get(job, at))
                 elif state == "stale":
@@ -519,7 +501,7 @@ class Scheduler(SlotRunner):
         by_name = {m[0].name: m[0] for m in mine}  # not self._specs: a reload may replace it
         for job, at, attempt, manual in taken:
             spec = by_name[job]
-            self._start(spec, Slot(job, at, attempt, manual=manual, args=spec.args), sent, runner)
+            self._runs.start(spec, Slot(job, at, attempt, manual=manual, args=spec.args), sent, runner)
 
     async def _housekeeping(self) -> None:
         """Expired claims, retention and failure alerts, each now and then; a pass
@@ -558,7 +540,7 @@ class Scheduler(SlotRunner):
         for job, at, attempt in taken:
             spec = by_name[job]
             log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
-            self._start(spec, Slot(job, at, attempt, args=spec.args), sent, runner)
+            self._runs.start(spec, Slot(job, at, attempt, args=spec.args), sent, runner)
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
@@ -588,7 +570,7 @@ class Scheduler(SlotRunner):
         sent = time.monotonic()
         at, attempt = await self._store.claim_now(spec, runner)
         slot = Slot(spec.name, at, attempt, manual=True, args=spec.args)
-        await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
+        await self._runs.execute(spec, slot, sent, runner)
         return slot
 
     async def backfill(self, job: str, start: dt.datetime, end: dt.datetime) -> list[Slot]:
@@ -611,7 +593,7 @@ class Scheduler(SlotRunner):
             if attempt is None:
                 continue  # the slot has its row already
             slot = Slot(spec.name, at, attempt, args=spec.args)
-            await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
+            await self._runs.execute(spec, slot, sent, runner)
             ran.append(slot)
         return ran
 
