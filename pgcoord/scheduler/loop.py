@@ -46,6 +46,7 @@ from ..errors import PgcoordError, SchemaMissing
 from . import plan
 from .alerts import FailingWatch
 from .cron import Job, seconds
+from .membership import MemberLink
 from .registry import JobFn, Registry
 from .runner import NotJoined, Slot
 from .runs import Runs
@@ -107,6 +108,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         #: The slots running here (the runner): a part of the scheduler, not a base class.
         self._runs = Runs(source, capacity, self._wake)
+        self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
         self._last_recover = 0.0
         self._last_prune = 0.0
         self._last_alert_check = time.monotonic()
@@ -228,11 +230,11 @@ class Scheduler:
             raise RuntimeError("this Scheduler is already running")
         self._run_task, self._draining = asyncio.current_task(), False
         self._runs.stopping = False
-        unhook = self._hook_member()
+        unhook = self._member_link.hook()
         declaring: asyncio.Task[None] | None = None
         try:
             declaring = await self._register()
-            await self._listen()
+            await self._member_link.listen()
             failures = 0
             while not self._draining:
                 self._wake.clear()
@@ -263,83 +265,8 @@ class Scheduler:
             await self._runs.close()
             self._run_task = None
 
-    def _hook_member(self) -> Callable[[], None]:
-        """With a member: expire a dead member's claims at once, and stop our own
-        bodies when our member's session (which their claims are tied to) ends."""
-        member = self._member
-        if member is None:
-            return lambda: None
-        tasks: set[asyncio.Task[Any]] = set()
-
-        def on_left(member_id: int) -> None:
-            task = asyncio.ensure_future(self._expire_claims_of(member_id))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            task.add_done_callback(consume_result)
-
-        def on_session_lost(old_id: int) -> None:
-            for cut in self._runs.cut_off_session(f"/{old_id}"):
-                tasks.add(cut)
-                cut.add_done_callback(tasks.discard)
-                cut.add_done_callback(consume_result)
-            # A change notified while the session is away is lost: tick (and read
-            # the change counter) as soon as the member listens again, not at the
-            # next tick, which may be `tick` seconds away.
-            task = asyncio.ensure_future(self._wake_when_rejoined(member, old_id))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            task.add_done_callback(consume_result)
-
-        unhook_left = member.on_member_left(on_left)
-        unhook_lost = member.on_session_lost(on_session_lost)
-        self._unlisten: Callable[[], None] = lambda: None
-
-        def unhook() -> None:
-            unhook_left()
-            unhook_lost()
-            self._unlisten()
-            for task in tasks:
-                task.cancel()
-
-        return unhook
-
-    async def _wake_when_rejoined(self, member: Member, old_id: int) -> None:
-        while True:
-            await member.wait_joined()  # set again after the new session's LISTENs
-            if member.id is not None and member.id != old_id:
-                break
-            await asyncio.sleep(0.05)  # still the old session's flag: not cleared yet
-        self._wake.set()
-
-    async def _listen(self) -> None:
-        """With a member, hear of schedule changes at once (NOTIFY on its session);
-        without one, or behind a pooler, the tick's change counter finds them."""
-        member = self._member
-        if member is None:
-            return
-
-        def changed(_payload: str) -> None:
-            # Tick now. The tick reads the change counter (committed before the
-            # notification is delivered) and reloads only if it moved: a run owed
-            # (payload 'owed') or a change already seen loads nothing.
-            self._wake.set()
-
-        try:
-            self._unlisten = await member.listen(_schedules.SCHEDULES_CHANNEL, changed)
-        except Exception as exc:  # the counter still finds every change
-            log.warning("scheduler: cannot LISTEN for schedule changes, polling only: %r", exc)
-
-    async def _expire_claims_of(self, member_id: int) -> None:
-        try:
-            expired = await self._store.expire_claims_of(member_id)
-        except Exception as exc:  # the claims still expire on their own
-            log.warning("scheduler: expiring the claims of member %d failed: %r", member_id, exc)
-            return
-        if expired:
-            log.warning("scheduler: member %d is gone; %d running claim(s) of it expired now",
-                        member_id, expired)
-            self._last_recover = 0.0  # look for them on this very tick
-            self._wake.set()
+    def _recover_soon(self) -> None:
+        self._last_recover = 0.0  # the next tick looks for lost claims
 
     async def _register(self) -> asyncio.Task[None] | None:
         """Write the code's schedules. If that fails (the database away, or a lock
