@@ -1,26 +1,13 @@
-"""``Scheduler``: run-once cron across replicas, on ``pgcoord.job_slots``.
+"""``Scheduler``: the object users hold, and its loop (the package's docstring
+tells the whole story).
 
-Every replica runs the same loop, with no leader. The schedules are rows of
-``pgcoord.schedules`` (declared in code with ``@cron``, or added at run time
-naming a handler registered with ``@job``); a replica loads those it has a
-function for, and keeps each one's next slot in memory. Each tick reads the
-database clock and the schedules' change counter (reloading when it moved),
-then decides every due slot of every schedule in a few set-based statements
-(``schedule_decide``): a claim for each slot to run, a ``missed`` or
-``skipped`` row for the others. The table's primary key (job, slot instant)
-lets exactly one claim succeed, and that replica runs the slot. Every slot since
-a schedule was registered ends as a row in a terminal state with a reason:
-succeeded, failed, abandoned, missed or skipped. Cron expressions are evaluated
-by cronsim, which follows Debian cron across daylight-saving changes
-(``cron``); a claimed slot runs under a lease-like claim (``runner``).
-
-When a runner dies, its claim expires; with ``on_crash="skip"`` any replica
-then records the slot ``abandoned`` (at most once); with ``"retry"`` one
-replica takes it over as the next attempt, up to ``max_attempts``.
-
-The loop survives the database: a tick that fails (a lost connection, a
-server restart, a terminated session) is logged and tried again after a
-back-off; it never ends ``run()``.
+The loop is the scheduler's own: ``run()`` declares the code's schedules, then
+ticks until ``stop()``. A tick reads the database clock and the schedules'
+change counter (``store``), reloads the schedules when it moved (``registry``),
+decides what is due (``plan``) and claims it (``claims``), the slots won
+running beside the loop (``runs``); now and then it looks for lost claims,
+prunes old rows and looks for schedules that keep failing (``alerts``). A tick
+that fails is logged and tried again after a back-off; it never ends ``run()``.
 """
 
 from __future__ import annotations
@@ -45,6 +32,7 @@ from .._drivers.capacity import pool_capacity
 from ..errors import PgcoordError, SchemaMissing
 from . import plan
 from .alerts import FailingWatch
+from .claims import Claims
 from .cron import Job, seconds
 from .membership import MemberLink
 from .registry import JobFn, Registry
@@ -88,16 +76,24 @@ class Scheduler:
                              "is named after the member")
         if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
             raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
+        max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
+        capacity = pool_capacity(source)
         self._source = source
-        self._store = Store(source)
         self._member = member
         self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        # The parts: what runs here, the statements, the runs and their claims.
+        self._registry = Registry(capacity)
+        self._store = Store(source)
+        self._wake = asyncio.Event()  # set: the loop ticks now
+        self._runs = Runs(source, capacity, self._wake)
+        self._claims = Claims(self._store, self._runs)
+        self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+        self._alerts = FailingWatch(alert_after)
+        # The loop's state.
         #: Every schedule this replica runs (code and runtime), as last loaded.
         self._specs: dict[str, Job] = {}
         self._epoch: int | None = None  # the schedules' change counter at the last load
-        self._max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
-        capacity = pool_capacity(source)
-        self._registry = Registry(capacity)
+        self._max_sleep = max_sleep
         self._run_task: asyncio.Task[Any] | None = None
         self._draining = False
         self._drain = 30.0
@@ -105,14 +101,9 @@ class Scheduler:
         # Seconds this scheduler's ticks run ahead of the database clock: 0, except
         # under pgcoord.testing.advance(), which moves a test's scheduler forward.
         self._time_shift = 0.0
-        self._wake = asyncio.Event()
-        #: The slots running here (the runner): a part of the scheduler, not a base class.
-        self._runs = Runs(source, capacity, self._wake)
-        self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
         self._last_recover = 0.0
         self._last_prune = 0.0
         self._last_alert_check = time.monotonic()
-        self._alerts = FailingWatch(alert_after)
 
     @property
     def jobs(self) -> dict[str, Job]:
@@ -265,9 +256,6 @@ class Scheduler:
             await self._runs.close()
             self._run_task = None
 
-    def _recover_soon(self) -> None:
-        self._last_recover = 0.0  # the next tick looks for lost claims
-
     async def _register(self) -> asyncio.Task[None] | None:
         """Write the code's schedules. If that fails (the database away, or a lock
         held by a transaction that changed these rows and is still open:
@@ -381,33 +369,10 @@ class Scheduler:
         await self._decide([spec], dt.datetime.fromtimestamp(self._db_now(), UTC))
 
     async def _decide(self, specs: list[Job], now: dt.datetime) -> None:
-        """Decide the due slots of ``specs`` in a statement per DECIDE_BATCH: claim those
-        to run, record the others missed or skipped; start what this replica claimed. A
-        failed batch fails the tick; the next one decides those slots again (a slot
-        claimed meanwhile by anyone is not claimed twice: the primary key)."""
-        if not specs:
-            return
-        try:
-            runner = self.runner
-        except NotJoined:
-            return  # the member is (re)joining: claim nothing until it has
-        groups, decided = plan.entries(specs, now)
-        by_name = {spec.name: spec for spec in specs}
-        waiting: dict[str, dt.datetime] = {}
-        stale: set[str] = set()
-        for part in plan.batches(groups):
-            sent = time.monotonic()
-            for job, at, state, attempt in await self._store.decide(part, runner):
-                spec = by_name[job]
-                if state == "running":
-                    self._runs.start(spec, Slot(job, at, int(attempt), args=spec.args), sent, runner)
-                elif state == "waiting":
-                    waiting[job] = min(at, waiting.get(job, at))
-                elif state == "stale":
-                    stale.add(job)
-                else:
-                    log.info("job %r slot %s skipped: the previous run is still going", job, at)
-        if plan.settle(specs, decided, waiting, stale):
+        """Decide the due slots of ``specs`` (``Claims.decide``), unless the member is
+        rejoining; a failed batch fails the tick."""
+        runner = self._claimant()
+        if specs and runner is not None and await self._claims.decide(specs, now, runner):
             self._epoch = None  # changed under us: reload and decide again
 
     async def _take_owed(self, owed: list[tuple[str, Any, Any, Any]]) -> None:
@@ -416,19 +381,9 @@ class Scheduler:
         in the pause (slot_after, slot_until]; if not, the row is dropped unrun."""
         mine = [(self._specs[name], at, after, until) for name, at, after, until in owed
                 if name in self._specs]
-        if not mine:
-            return
-        try:
-            runner = self.runner
-        except NotJoined:
-            return
-        runs = plan.owed_runs(mine)
-        sent = time.monotonic()
-        taken = await self._store.take_owed([m[0] for m in mine], [m[1] for m in mine], runs, runner)
-        by_name = {m[0].name: m[0] for m in mine}  # not self._specs: a reload may replace it
-        for job, at, attempt, manual in taken:
-            spec = by_name[job]
-            self._runs.start(spec, Slot(job, at, attempt, manual=manual, args=spec.args), sent, runner)
+        runner = self._claimant()
+        if mine and runner is not None:
+            await self._claims.take_owed(mine, runner)
 
     async def _housekeeping(self) -> None:
         """Expired claims, retention and failure alerts, each now and then; a pass
@@ -457,17 +412,20 @@ class Scheduler:
                 log.warning("scheduler: looking for failing jobs failed: %r", exc)
 
     async def _recover(self, specs: list[Job]) -> None:
+        runner = self._claimant()
+        if runner is not None:
+            await self._claims.recover(specs, runner)
+
+    def _recover_soon(self) -> None:
+        self._last_recover = 0.0  # the next tick looks for lost claims
+
+    def _claimant(self) -> str | None:
+        """The runner name to claim slots under; None while the member is (re)joining:
+        claim nothing until it has."""
         try:
-            runner = self.runner
+            return self.runner
         except NotJoined:
-            return
-        sent = time.monotonic()
-        taken = await self._store.recover(specs, runner)
-        by_name = {s.name: s for s in specs}  # not self._specs: a reload may replace it
-        for job, at, attempt in taken:
-            spec = by_name[job]
-            log.warning("job %r slot %s: runner lost, retrying as attempt %d", job, at, attempt)
-            self._runs.start(spec, Slot(job, at, attempt, args=spec.args), sent, runner)
+            return None
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
@@ -489,16 +447,7 @@ class Scheduler:
         any replica that has the handler run it: ``pgcoord jobs trigger NAME``, or
         ``select pgcoord.schedule_trigger(name)``.)"""
         spec = await self._handled(job)
-        try:
-            runner = self.runner
-        except NotJoined:
-            raise PgcoordError("the scheduler's member is not joined (its session is being "
-                               "reconnected); trigger again shortly") from None
-        sent = time.monotonic()
-        at, attempt = await self._store.claim_now(spec, runner)
-        slot = Slot(spec.name, at, attempt, manual=True, args=spec.args)
-        await self._runs.execute(spec, slot, sent, runner)
-        return slot
+        return await self._claims.run_now(spec, self._joined_runner("trigger"))
 
     async def backfill(self, job: str, start: dt.datetime, end: dt.datetime) -> list[Slot]:
         """Run, on this replica and one after another, each slot of ``job`` in
@@ -507,22 +456,19 @@ class Scheduler:
         run here."""
         plan.check_range(start, end)
         spec = await self._handled(job)
-        slots = plan.backfill_slots(spec, start, end, await self._database_now())
         ran: list[Slot] = []
-        for at in slots:
-            try:
-                runner = self.runner
-            except NotJoined:
-                raise PgcoordError("the scheduler's member is not joined (its session is being "
-                                   "reconnected); backfill again shortly") from None
-            sent = time.monotonic()
-            attempt = await self._store.claim(spec, at, runner)
-            if attempt is None:
-                continue  # the slot has its row already
-            slot = Slot(spec.name, at, attempt, args=spec.args)
-            await self._runs.execute(spec, slot, sent, runner)
-            ran.append(slot)
+        for at in plan.backfill_slots(spec, start, end, await self._database_now()):
+            slot = await self._claims.run_slot(spec, at, self._joined_runner("backfill"))
+            if slot is not None:
+                ran.append(slot)
         return ran
+
+    def _joined_runner(self, what: str) -> str:
+        try:
+            return self.runner
+        except NotJoined:
+            raise PgcoordError("the scheduler's member is not joined (its session is being "
+                               f"reconnected); {what} again shortly") from None
 
     async def _database_now(self) -> dt.datetime:
         return await self._store.now()
