@@ -1,6 +1,6 @@
 """What a replica can run: the schedules its code declares (``@sched.cron``), the
 handlers it registers for schedules added at run time (``@sched.job``), and the
-schedules loaded from ``pgcoord.schedules``, as ``Job``\\ s it can run. No I/O.
+rows loaded from ``pgcoord.schedules`` as the ``Job`` objects it runs. No I/O.
 """
 
 from __future__ import annotations
