@@ -41,20 +41,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 async def replica(dsn: str, handler: str, out: str) -> None:
     import asyncpg
 
-    import pgcoord._finisher as finisher_module
-    import pgcoord.scheduler as scheduler_module
+    import pgcoord.scheduler.finisher as finisher_module
+    import pgcoord.scheduler.store as store_module
     from pgcoord._queries import _all
     from pgcoord.scheduler import Scheduler, Slot
 
     names = {sql: name for name, sql in _all().items()}
     counts: collections.Counter[str] = collections.Counter()
-    real = scheduler_module.run_statement
+    real = store_module.run_statement
 
     async def counted(source: object, sql: str, params: tuple[object, ...]) -> object:
         counts[names.get(sql, "other")] += 1
         return await real(source, sql, params)
 
-    scheduler_module.run_statement = counted  # type: ignore[assignment]
+    store_module.run_statement = counted  # type: ignore[assignment]
     finisher_module.run_statement = counted  # type: ignore[assignment]
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=4)
     sched = Scheduler(pool)

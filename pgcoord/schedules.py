@@ -20,9 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, previous_slots, seconds
 from ._drivers import run_statement
 from ._queries import query
+from .scheduler.cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, previous_slots, seconds
 
 __all__ = ["SCHEDULES_CHANNEL", "ScheduleInfo"]
 

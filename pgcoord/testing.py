@@ -201,10 +201,10 @@ async def advance(sched: Any, to: Any) -> list[Any]:
         # Not running: write the code's schedules as run() would first.
         await sched._declare()
         sched._epoch = None
-    before = set(sched._running)
+    before = set(sched._runs.running)
     sched._time_shift = shift
     await sched.tick()
-    started = {key: run for key, run in sched._running.items() if key not in before}
+    started = {key: run for key, run in sched._runs.running.items() if key not in before}
     tasks = [run.task for run in started.values() if run.task is not None]
     if tasks:
         await asyncio.wait(tasks)

@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from pgcoord._cron import Job, check_expr, check_zone, next_slot, previous_slots, slots_between
+from pgcoord.scheduler.cron import Job, check_expr, check_zone, next_slot, previous_slots, slots_between
 
 UTC = dt.UTC
 PARIS = ZoneInfo("Europe/Paris")

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import metrics
-from ._aio import (
+from .. import metrics
+from .._aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
     cancel_until_done,
@@ -30,13 +30,13 @@ from ._aio import (
     finish_despite_cancel,
     keep_cancelling,
 )
-from ._cron import Job
-from ._drivers import run_statement
-from ._finisher import Finisher
-from ._keys import lock_key
-from ._queries import query
-from ._tenure import trusted_until
-from .locks import exclusive
+from .._drivers import run_statement
+from .._keys import lock_key
+from .._queries import query
+from .._tenure import trusted_until
+from ..locks import exclusive
+from .cron import Job
+from .finisher import Finisher
 
 log = logging.getLogger("pgcoord.scheduler")
 
@@ -250,7 +250,7 @@ class SlotRunner:
 
     async def _run_transactional(self, run: Run) -> bool:
         """Run the job and record success in one transaction."""
-        from ._drivers import fetchval_on
+        from .._drivers import fetchval_on
 
         spec, slot = run.spec, run.slot
         turn = self._tx_turns

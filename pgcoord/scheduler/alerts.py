@@ -15,11 +15,11 @@ import logging
 from collections import Counter
 from typing import Any
 
-from . import metrics
-from ._cron import check_expr, check_zone, previous_slots
-from ._drivers import run_statement
-from ._jobrun import as_utc
-from ._queries import query
+from .. import metrics
+from .._drivers import run_statement
+from .._queries import query
+from .cron import check_expr, check_zone, previous_slots
+from .runner import as_utc
 
 log = logging.getLogger("pgcoord.scheduler")
 

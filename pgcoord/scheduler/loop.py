@@ -1,0 +1,474 @@
+"""``Scheduler``: the object users hold, and its loop (the package's docstring
+tells the whole story).
+
+The loop is the scheduler's own: ``run()`` declares the code's schedules, then
+ticks until ``stop()``. A tick reads the database clock and the schedules'
+change counter (``store``), reloads the schedules when it moved (``registry``),
+decides what is due (``plan``) and claims it (``claims``), the slots won
+running beside the loop (``runs``); now and then it looks for lost claims,
+prunes old rows and looks for schedules that keep failing (``alerts``). A tick
+that fails is logged and tried again after a back-off; it never ends ``run()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+# pgcoord.schedules imports scheduler.cron: read from it at call time only, so that
+# either may be imported first.
+from .. import schedules as _schedules
+from .._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
+from .._drivers import check_source
+from .._drivers.capacity import pool_capacity
+from ..errors import PgcoordError, SchemaMissing
+from . import plan
+from .alerts import FailingWatch
+from .claims import Claims
+from .cron import Job, seconds
+from .membership import MemberLink
+from .registry import JobFn, Registry
+from .runner import NotJoined, Slot
+from .runs import Runs
+from .store import Store, refuse_shared_connection
+
+if TYPE_CHECKING:
+    from ..member import Member
+    from ..schedules import ScheduleInfo
+
+__all__ = ["Scheduler"]
+
+log = logging.getLogger("pgcoord.scheduler")
+
+UTC = dt.UTC
+PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
+ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
+
+
+class Scheduler:
+    """Run-once cron across every replica that runs the same code; see DESIGN §4 and §9.
+
+    Schedules are rows of ``pgcoord.schedules``: those declared in code with
+    ``@sched.cron`` (written at ``run()``'s start) and those added at run time
+    with ``add()``, which name a handler registered here with ``@sched.job``. A
+    replica runs only the schedules whose function it has; the others it leaves
+    to replicas that have it. Changes reach a running replica at its next tick
+    (at most ``tick`` seconds: each tick reads a change counter), and at once
+    with a ``member=`` (NOTIFY on channel ``pgcoord_schedules``).
+    """
+
+    def __init__(
+        self, source: Any, *, runner: str | None = None, tick: float = 1.0,
+        member: Member | None = None, alert_after: int = 3,
+    ) -> None:
+        check_source(source, need_async=True, background="Scheduler")
+        refuse_shared_connection(source)
+        if member is not None and runner is not None:
+            raise ValueError("runner= and member= exclude each other: with a member, the runner "
+                             "is named after the member")
+        if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
+            raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
+        max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
+        capacity = pool_capacity(source)
+        self._source = source
+        self._member = member
+        self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        # The parts: what runs here, the statements, the runs and their claims.
+        self._registry = Registry(capacity)
+        self._store = Store(source)
+        self._wake = asyncio.Event()  # set: the loop ticks now
+        self._runs = Runs(source, capacity, self._wake)
+        self._claims = Claims(self._store, self._runs)
+        self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+        self._alerts = FailingWatch(alert_after)
+        # The loop's state.
+        #: Every schedule this replica runs (code and runtime), as last loaded.
+        self._specs: dict[str, Job] = {}
+        self._epoch: int | None = None  # the schedules' change counter at the last load
+        self._max_sleep = max_sleep
+        self._run_task: asyncio.Task[Any] | None = None
+        self._draining = False
+        self._drain = 30.0
+        self._clock_offset = 0.0  # database clock minus local wall clock
+        # Seconds this scheduler's ticks run ahead of the database clock: 0, except
+        # under pgcoord.testing.advance(), which moves a test's scheduler forward.
+        self._time_shift = 0.0
+        self._last_recover = 0.0
+        self._last_prune = 0.0
+        self._last_alert_check = time.monotonic()
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        """The jobs declared in code with ``@cron``, by name."""
+        return self._registry.jobs
+
+    @property
+    def runner(self) -> str:
+        """The name this replica's claims carry. With a member it is
+        ``<member name>/<member id>``: claims are tied to the member's session, so
+        when that ends every replica expires them at once (and this replica stops
+        the bodies that ran under them)."""
+        member = self._member
+        if member is None:
+            return self._runner
+        if member.id is None:
+            raise NotJoined()
+        return f"{member.name}/{member.id}"
+
+    # -- registration ------------------------------------------------------------------
+
+    def cron(
+        self, job: str, expr: str, *, tz: str = "UTC", on_crash: str = "skip",
+        max_attempts: int = 3, catch_up: str = "latest", deadline: float | None = None,
+        transactional: bool = False, allow_overlap: bool = False, jitter: float = 0.0,
+        claim_ttl: float = 30.0, keep: float = 30 * 86400.0, timeout: float | None = None,
+    ) -> Callable[[JobFn], JobFn]:
+        """Register ``fn`` as job ``job`` on cron ``expr`` (5 fields, or 6 with seconds
+        first). Its schedule is written to ``pgcoord.schedules`` when ``run()`` starts;
+        the code owns it (``update()``/``remove()`` refuse it, ``pause()`` works)."""
+        return self._registry.cron(
+            job, expr, tz=tz, on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up,
+            deadline=deadline, transactional=transactional, allow_overlap=allow_overlap,
+            jitter=jitter, claim_ttl=claim_ttl, keep=keep, timeout=timeout)
+
+    def job(
+        self, handler: str, *, transactional: bool = False, jitter: float = 0.0,
+        claim_ttl: float = 30.0, keep: float = 30 * 86400.0,
+    ) -> Callable[[JobFn], JobFn]:
+        """Register ``fn`` as handler ``handler``, with no schedule of its own: the
+        schedules added with ``add(..., handler=handler)`` run it, on the replicas
+        that register it (and only there)."""
+        return self._registry.job(handler, transactional=transactional, jitter=jitter,
+                                  claim_ttl=claim_ttl, keep=keep)
+
+    def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
+        """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
+        return plan.upcoming(self._job(job), after or dt.datetime.now(UTC), n)
+
+    def _job(self, job: str) -> Job:
+        spec = self._specs.get(job) or self.jobs.get(job)
+        if spec is None:
+            raise ValueError(f"no job named {job!r} on this replica")
+        return spec
+
+    async def _handled(self, job: str) -> Job:
+        """The schedule ``job`` as this replica runs it, loading the schedules if
+        need be (outside ``run()``); ValueError when this replica cannot run it."""
+        if job not in self._specs and job not in self.jobs:
+            await self._reload()
+        spec = self._specs.get(job) or self.jobs.get(job)
+        if spec is None:
+            raise ValueError(f"no schedule named {job!r} whose handler is registered on this replica")
+        return spec
+
+    # -- schedules at run time (DESIGN §9); usable without run() -------------------------
+
+    async def add(self, name: str, expr: str, *, handler: str, tz: str = "UTC",
+                  args: Any = None, paused: bool = False, on_crash: str = "skip",
+                  max_attempts: int = 3, catch_up: str = "latest", deadline: float | None = None,
+                  allow_overlap: bool = False,
+                  timeout: float | None = None,  # noqa: ASYNC109 (the job's bound, not this call's)
+                  ) -> ScheduleInfo:
+        """Add schedule ``name``: run handler ``handler`` on cron ``expr`` in zone ``tz``,
+        with ``args`` (JSON) as ``Slot.args``. ValueError if the name is taken."""
+        return await _schedules.add(
+            self._source, name, expr, handler=handler, tz=tz, args=args, paused=paused,
+            on_crash=on_crash, max_attempts=max_attempts, catch_up=catch_up, deadline=deadline,
+            allow_overlap=allow_overlap, timeout=timeout)
+
+    async def update(self, name: str, **changes: Any) -> ScheduleInfo:
+        """Change any option of ``add()`` (by keyword) of a schedule added at run time.
+        A new expr or tz counts slots afresh from now; the old expression's slots
+        due before now that no replica recorded yet are decided by the schedule's
+        catch_up (those it runs are run once, late; the others recorded missed,
+        reason 'changed')."""
+        return await _schedules.update(self._source, name, **changes)
+
+    async def pause(self, name: str) -> None:
+        """Pause ``name``: its slots from now on are recorded skipped, reason 'paused'."""
+        await _schedules.pause(self._source, name)
+
+    async def resume(self, name: str, *, catch_up: str = "none") -> None:
+        """Resume ``name``. ``catch_up="latest"`` runs it once now if a slot was skipped
+        while it was paused; ``"none"`` leaves those slots skipped."""
+        await _schedules.resume(self._source, name, catch_up=catch_up)
+
+    async def remove(self, name: str) -> None:
+        """Remove schedule ``name`` (added at run time). A run in progress finishes and
+        is recorded; no further slot starts. Its job_slots rows stay."""
+        await _schedules.remove(self._source, name)
+
+    async def schedules(self) -> list[ScheduleInfo]:
+        """Every schedule, with its latest run and next slot."""
+        return await _schedules.list_all(self._source)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run every due slot of the schedules this replica has handlers for, until ``stop()``."""
+        if not self.jobs and not self._registry.handlers:
+            raise ValueError("no jobs registered: decorate functions with @scheduler.cron(...) "
+                             "or @scheduler.job(...)")
+        if self._run_task is not None:
+            raise RuntimeError("this Scheduler is already running")
+        self._run_task, self._draining = asyncio.current_task(), False
+        self._runs.stopping = False
+        unhook = self._member_link.hook()
+        declaring: asyncio.Task[None] | None = None
+        try:
+            declaring = await self._register()
+            await self._member_link.listen()
+            failures = 0
+            while not self._draining:
+                self._wake.clear()
+                try:
+                    wake = await self.tick()
+                except Exception as exc:  # the database went away: back off, never end run()
+                    failures += 1
+                    pause = plan.backoff(failures)
+                    log.warning("scheduler tick failed (%d in a row), trying again in %.2f s: %r",
+                                failures, pause, exc)
+                else:
+                    failures = 0
+                    pause = max(0.0, min(wake - self._db_now(), self._max_sleep))
+                await self._sleep(pause)
+            # Draining: no more claims; let running slots finish for a while.
+            running = self._runs.tasks()
+            if running:
+                await asyncio.wait(running, timeout=self._drain)
+        except asyncio.CancelledError:
+            if not self._runs.stopping:
+                raise
+            absorb_cancel()
+        finally:
+            unhook()
+            if declaring is not None:
+                declaring.cancel()
+                declaring.add_done_callback(consume_result)
+            await self._runs.close()
+            self._run_task = None
+
+    async def _register(self) -> asyncio.Task[None] | None:
+        """Write the code's schedules. If that fails (the database away, or a lock
+        held by a transaction that changed these rows and is still open:
+        schedule_declare waits 1 s at most), the loop starts anyway, running the
+        schedules there are, and a task (returned; run() owns it) tries again,
+        backing off, and reloads once it is done."""
+        if not self.jobs:
+            return None
+        try:
+            await self._declare()
+        except SchemaMissing:
+            raise
+        except Exception as exc:
+            log.warning("declaring the code's schedules failed; running the schedules there are"
+                        " and trying again: %r", exc)
+            return asyncio.create_task(self._declare_again(), name="pgcoord-scheduler-declare")
+        return None
+
+    async def _declare(self) -> None:
+        at = await self._store.declare(self._registry.declared())
+        self._clock_offset = at.timestamp() - time.time()
+
+    async def _declare_again(self) -> None:
+        failures = 0
+        while not self._draining:
+            failures += 1
+            await asyncio.sleep(plan.backoff(failures))
+            try:
+                await self._declare()
+            except Exception as exc:
+                log.warning("declaring the code's schedules failed (%d in a row): %r", failures, exc)
+                continue
+            self._epoch = None  # load what was declared at the next tick, now
+            self._wake.set()
+            return
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, or less if ``stop()`` or a finished run wakes the loop."""
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+        # cancellation that races the event being set.
+        try:
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+
+    async def stop(self, *, drain: float = 30.0) -> None:
+        """Stop claiming slots, let running ones finish for up to ``drain`` seconds, then
+        cancel the rest (recorded abandoned; a retry job's slot is left to another replica)."""
+        task = self._run_task
+        if task is None:
+            return
+        self._drain = drain
+        self._draining = True
+        self._wake.set()
+        done, _ = await asyncio.wait({task}, timeout=drain + 2 * CLEANUP_TIMEOUT)
+        self._runs.stopping = True
+        if not done:
+            task.cancel()
+            await asyncio.wait({task})
+
+    def _db_now(self) -> float:
+        return time.time() + self._clock_offset
+
+    async def _reload(self) -> None:
+        """Load every schedule this replica has a handler for; keep what was decided
+        of those whose version did not change."""
+        epoch, rows = await self._store.load(list(self._registry.handlers), list(self.jobs))
+        specs: dict[str, Job] = {}
+        for values in rows:
+            spec = self._registry.spec_from_row(values, self._specs)
+            if spec is not None:
+                specs[spec.name] = spec
+        self._specs, self._epoch = specs, epoch
+
+    async def tick(self) -> float:
+        """One pass over every schedule; returns when (database epoch seconds) to look
+        again. The due slots of all schedules are decided together, in batches."""
+        now, epoch, owed = await self._store.clock()
+        now += dt.timedelta(seconds=self._time_shift)
+        self._clock_offset = now.timestamp() - time.time()
+        # A reload (of every schedule: ~0.2 s for 10,000) comes after this tick's
+        # decisions, not before, so that a stream of changes does not hold up the
+        # slots of the schedules that did not change. Deciding under the versions
+        # loaded is safe: a claim for a schedule changed since comes back stale,
+        # inserts nothing, and its slots are decided again at once after the reload.
+        if self._epoch is None:
+            await self._reload()
+        await self._decide_due(now)
+        if epoch != self._epoch:
+            await self._reload()
+            # Only the schedules that changed (or were stale) can be due now.
+            await self._decide_due(now)
+        if owed:
+            # A failure here (a missing grant, a lost connection) must not cost the
+            # tick its housekeeping: recovery, retention and alerts still run.
+            try:
+                await self._take_owed(owed)
+            except Exception as exc:
+                log.warning("scheduler: taking owed runs failed: %r", exc)
+        await self._housekeeping()
+        return plan.next_wake(self._specs.values(), now, self._max_sleep)
+
+    async def _decide_due(self, now: dt.datetime) -> None:
+        plain, jittered = plan.due(self._specs.values(), now)
+        await asyncio.gather(self._decide(plain, now),
+                             *(self._decide_jittered(s) for s in jittered))
+
+    async def _decide_jittered(self, spec: Job) -> None:
+        await asyncio.sleep(random.uniform(0, spec.jitter))
+        await self._decide([spec], dt.datetime.fromtimestamp(self._db_now(), UTC))
+
+    async def _decide(self, specs: list[Job], now: dt.datetime) -> None:
+        """Decide the due slots of ``specs`` (``Claims.decide``), unless the member is
+        rejoining; a failed batch fails the tick."""
+        runner = self._claimant()
+        if specs and runner is not None and await self._claims.decide(specs, now, runner):
+            self._epoch = None  # changed under us: reload and decide again
+
+    async def _take_owed(self, owed: list[tuple[str, Any, Any, Any]]) -> None:
+        """Runs owed (a trigger from SQL or the CLI, a resume with catch_up latest) of
+        the schedules run here. A resume's run is owed only if the expression fired
+        in the pause (slot_after, slot_until]; if not, the row is dropped unrun."""
+        mine = [(self._specs[name], at, after, until) for name, at, after, until in owed
+                if name in self._specs]
+        runner = self._claimant()
+        if mine and runner is not None:
+            await self._claims.take_owed(mine, runner)
+
+    async def _housekeeping(self) -> None:
+        """Expired claims, retention and failure alerts, each now and then; a pass
+        that fails is logged and tried again later."""
+        specs = list(self._specs.values())
+        if not specs:
+            return
+        clock = time.monotonic()
+        if clock - self._last_recover >= min(s.claim_ttl for s in specs) / 3:
+            self._last_recover = clock
+            try:
+                await self._recover(specs)
+            except Exception as exc:
+                log.warning("scheduler: looking for lost claims failed: %r", exc)
+        if clock - self._last_prune > PRUNE_EVERY:
+            self._last_prune = clock
+            try:
+                await self._store.prune(specs)
+            except Exception as exc:
+                log.warning("scheduler: retention pass failed: %r", exc)
+        if clock - self._last_alert_check > ALERT_EVERY:
+            self._last_alert_check = clock
+            try:
+                await self.check_failing()
+            except Exception as exc:
+                log.warning("scheduler: looking for failing jobs failed: %r", exc)
+
+    async def _recover(self, specs: list[Job]) -> None:
+        runner = self._claimant()
+        if runner is not None:
+            await self._claims.recover(specs, runner)
+
+    def _recover_soon(self) -> None:
+        self._last_recover = 0.0  # the next tick looks for lost claims
+
+    def _claimant(self) -> str | None:
+        """The runner name to claim slots under; None while the member is (re)joining:
+        claim nothing until it has."""
+        try:
+            return self.runner
+        except NotJoined:
+            return None
+
+    async def prune(self, job: str, *, batch: int = 1000) -> int:
+        """Delete this job's finished rows older than its ``keep``, in batches; the count."""
+        return await self._store.prune([self._job(job)], batch=batch)
+
+    async def check_failing(self) -> list[str]:
+        """The schedules (not paused; whoever runs them, so one whose handler no
+        replica registers counts) with no success in their last ``alert_after``
+        expected slots since they were added, re-expressed or resumed — failed,
+        abandoned, missed or never run. Each is logged (a warning when it starts
+        failing, info when it recovers) and counted in the gauge
+        ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
+        return await self._alerts.check(self._source)
+
+    # -- running slots ---------------------------------------------------------------------
+
+    async def trigger(self, job: str) -> Slot:
+        """Run ``job`` now, on this replica, without using up a scheduled slot. (To have
+        any replica that has the handler run it: ``pgcoord jobs trigger NAME``, or
+        ``select pgcoord.schedule_trigger(name)``.)"""
+        spec = await self._handled(job)
+        return await self._claims.run_now(spec, self._joined_runner("trigger"))
+
+    async def backfill(self, job: str, start: dt.datetime, end: dt.datetime) -> list[Slot]:
+        """Run, on this replica and one after another, each slot of ``job`` in
+        [start, end] (a past range) that has no row yet; a slot that has one (run,
+        missed, skipped — here or by another backfill) keeps it. Returns the slots
+        run here."""
+        plan.check_range(start, end)
+        spec = await self._handled(job)
+        ran: list[Slot] = []
+        for at in plan.backfill_slots(spec, start, end, await self._database_now()):
+            slot = await self._claims.run_slot(spec, at, self._joined_runner("backfill"))
+            if slot is not None:
+                ran.append(slot)
+        return ran
+
+    def _joined_runner(self, what: str) -> str:
+        try:
+            return self.runner
+        except NotJoined:
+            raise PgcoordError("the scheduler's member is not joined (its session is being "
+                               f"reconnected); {what} again shortly") from None
+
+    async def _database_now(self) -> dt.datetime:
+        return await self._store.now()
