@@ -225,10 +225,10 @@ class Doorbell:
     session ends, so that whoever waits for the lease can take it over at once.
 
     The session is the holder's own (an ``Elector(dsn)``: closing it lets go of the
-    bell) or a member's shared one, whose ``owned`` book is kept here: an unlock is
-    booked before the try is sent, so a ring cancelled in flight is still undone by
-    ``drop()``. ``call`` runs a statement on the session (the owner's, which maps its
-    errors); by default the session's own ``fetchval``."""
+    bell) or a member's shared one, whose ``owned`` book (what the member unlocks when
+    a feature lets go) is kept here, for the levels this bell took. ``call`` runs a
+    statement on the session (the owner's, which maps its errors); by default the
+    session's own ``fetchval``."""
 
     def __init__(self, session: Any, name: str,
                  call: Callable[..., Awaitable[Any]] | None = None) -> None:
@@ -250,14 +250,30 @@ class Doorbell:
                 del book[(self.key, False)]
 
     async def ring(self) -> bool:
-        """Take the bell without waiting; False while another session holds it."""
-        self._booked(+1)  # raised or cancelled in flight, it may be ours: drop() unlocks
-        rang = bool(await self._call(query("advisory_call").format(fn="pg_try_advisory_lock"),
-                                     self.key))
-        if not rang:
-            self._booked(-1)
-        self.held = self.held or rang
+        """Take the bell without waiting; False while another session holds it.
+
+        Session locks are re-entrant, and another feature of the same member may hold
+        this bell already: so only a level this try is known to have taken is ever
+        booked or undone. A ring cancelled in flight lets its statement finish, and a
+        level it turns out to have taken is unlocked then (never one it did not)."""
+        attempt = asyncio.ensure_future(self._call(
+            query("advisory_call").format(fn="pg_try_advisory_lock"), self.key))
+        try:
+            rang = bool(await asyncio.shield(attempt))
+        except asyncio.CancelledError:
+            attempt.add_done_callback(self._undo_late_ring)
+            raise
+        if rang:
+            self._booked(+1)
+            self.held = True
         return rang
+
+    def _undo_late_ring(self, attempt: asyncio.Future[Any]) -> None:
+        if attempt.cancelled() or attempt.exception() is not None or not attempt.result():
+            return
+        unlock_later = getattr(self.session, "unlock_later", None)
+        if unlock_later is not None:  # an own session lets go of it when it is closed
+            unlock_later(self.key)
 
     def rang(self) -> None:
         """The bell was taken by a wait of the owner's own (``pg_advisory_lock``)."""
@@ -265,11 +281,14 @@ class Doorbell:
         self.held = True
 
     async def unring(self) -> None:
-        """Unlock now and wait for it, so that a waiter woken next finds it free."""
+        """Unlock now and wait for it, so that a waiter woken next finds it free. The
+        level is unbooked before the unlock is sent, and the unlock is not cut short
+        by a cancellation: a later ``drop()`` never unlocks a level twice."""
         if self.held:
             self.held = False
-            await self._call(query("advisory_call").format(fn="pg_advisory_unlock"), self.key)
             self._booked(-1)
+            await asyncio.shield(asyncio.ensure_future(self._call(
+                query("advisory_call").format(fn="pg_advisory_unlock"), self.key)))
 
     def drop(self) -> None:
         """Let go without waiting: what is still owed on a member's session is

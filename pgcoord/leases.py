@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _errmap, metrics
-from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, finish_despite_cancel
+from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, Supervisor, absorb_cancel, finish_despite_cancel
 from ._drivers import (
     check_source,
     release_async,
@@ -58,10 +58,18 @@ T = TypeVar("T")
 # lock_timeout, so the server stops waiting when the client does.
 RELEASE_TIMEOUT = CLEANUP_TIMEOUT
 
+# How long taking a lease may wait for its row while a fenced transaction holds it
+# FOR SHARE, when the caller does not wait (wait=False): then it is busy.
+BUSY_ROW_WAIT = 0.05
+
 # Tries of one statement when the pool hands out connections that turn out dead:
 # after a server restart every idle connection of a pool is, and a pool only
 # finds out on use. One more than the pool has connections, within these bounds.
 MIN_ATTEMPTS, MAX_ATTEMPTS = 3, 12
+
+
+# Rows taken by a take that was cancelled in flight, given back in the background.
+_orphans = Supervisor("pgcoord leases", log)
 
 
 def default_holder() -> str:
@@ -234,6 +242,7 @@ class Lease:
         self._renewer: asyncio.Task[None] | None = None
         self._body: asyncio.Task[Any] | None = None
         self._body_cancelled = False
+        self._acquiring = 0  # acquire() calls under way
         metrics.warm_up()
 
     @property
@@ -274,9 +283,17 @@ class Lease:
     async def _row(self, name: str, *params: Any, via: _Statement | None = None) -> tuple[Any, ...] | None:
         return await (via or _Statement(self._source)).row(query(name), params)
 
-    async def _take(self, pid: int | None) -> tuple[Any, ...] | None:
+    async def _take(self, pid: int | None, bound: float) -> tuple[Any, ...] | None:
+        """Take the row if it is free (None if not). A row held ``FOR SHARE`` by a
+        fenced transaction is waited for ``bound`` seconds at most, then is busy."""
         async def once(retrying: bool) -> tuple[Any, ...] | None:
-            row = await self._row("lease_acquire", self.name, self.holder, self._ttl_ms, pid)
+            try:
+                row = await self._row("lease_acquire_bounded", self.name, self.holder, self._ttl_ms,
+                                      pid, lock_timeout_setting(bound))
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                    raise
+                row = None
             if row is None and retrying:
                 # The try that failed may have taken the lease before its connection
                 # died: then the row is ours already, with the fence it was given.
@@ -292,6 +309,22 @@ class Lease:
         except Exception as exc:
             raise PgcoordError(f"lease {self.name!r} could not be acquired: {exc!r}") from exc
 
+    async def _take_or_undo(self, pid: int | None, bound: float) -> tuple[Any, ...] | None:
+        """``_take``; cancelled meanwhile, the row it may have taken on the server is given
+        back in the background, so that it does not sit held until it expires."""
+        try:
+            return await self._take(pid, bound)
+        except asyncio.CancelledError:
+            _orphans.spawn(self._release_orphan(), f"pgcoord-lease-undo:{self.name}")
+            raise
+
+    async def _release_orphan(self) -> None:
+        current = await self._row("lease_current_holder", self.name)
+        # Not while this Lease takes or holds it again: that row is the new holding's.
+        if (current is not None and current[0] == self.holder and not self._acquiring
+                and self.fence is None):
+            await self._release_row(int(current[1]))
+
     async def acquire(self, wait: bool = True, timeout: float | None = None) -> int:  # noqa: ASYNC109 - the contract's signature
         """Take the lease (a new fence) and start renewing it; returns the fence."""
         if self.fence is not None:
@@ -299,11 +332,15 @@ class Lease:
         if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        unhook = await self._hook_member()
+        self._acquiring += 1
         try:
-            return await self._acquire(wait, timeout, deadline)
+            unhook = await self._hook_member()
+            try:
+                return await self._acquire(wait, timeout, deadline)
+            finally:
+                unhook()
         finally:
-            unhook()
+            self._acquiring -= 1
 
     async def _hook_member(self) -> Callable[[], None]:
         """While waiting with a member: wake on any member's death and on this
@@ -370,8 +407,12 @@ class Lease:
         Whatever way this ends without the lease, the doorbell it rang is dropped."""
         from .member import SessionLost
 
+        bound = BUSY_ROW_WAIT
+        if wait:  # a fenced transaction may hold the row a while: wait for it, within limits
+            left = self.ttl / 3 if deadline is None else deadline - time.monotonic()
+            bound = max(BUSY_ROW_WAIT, min(self.ttl / 3, left))
         if self._member is None:
-            return await self._take(None)
+            return await self._take_or_undo(None, bound)
         session = await self._member_session(wait, limit, deadline)
         # The session's end is this tenure's loss from now on: also while the row
         # is being taken, so that a row tied to a dead session is never handed out.
@@ -393,7 +434,7 @@ class Lease:
             # with that contender.
             if not (rang or not wait or quiet):
                 return None
-            row = await self._take(bell.pid if rang else None)
+            row = await self._take_or_undo(bell.pid if rang else None, bound)
             if row is not None and not rang:
                 try:
                     rang = await bell.bind(self.name, self.holder, int(row[0]))

@@ -163,6 +163,16 @@ FROM (SELECT pg_catalog.{unlock_fn}($2::bigint) AS ok) AS released
 -- name: lease_acquire
 SELECT fence, expires_at FROM pgcoord.lease_acquire($1, $2, $3, $4)
 
+-- name: lease_acquire_bounded
+-- lease_acquire with a bound of its own ($5, e.g. '200ms') on the row lock it may
+-- wait for: ON CONFLICT DO UPDATE waits behind a fenced transaction that holds the row
+-- FOR SHARE. Past the bound the lease counts as busy (55P03), whatever lock_timeout
+-- the database or role sets. The setting is made in the argument's initplan, for this
+-- statement's transaction only, as in lease_release_bounded.
+SELECT a.fence, a.expires_at FROM pgcoord.lease_acquire($1, $2, $3, (
+    SELECT CAST($4 AS integer) WHERE pg_catalog.set_config('lock_timeout', $5, true) IS NOT NULL
+)) AS a
+
 -- name: lease_renew
 SELECT expires_at FROM pgcoord.lease_renew($1, $2, $3, $4)
 

@@ -9,6 +9,7 @@ one engine (docs/architecture.md, "The life of a lease")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
@@ -219,3 +220,80 @@ async def test_partitions_run_started_as_the_server_stops_goes_on_and_leaves_not
             await running
         assert {ch: len(cbs) for ch, cbs in m._channels.items() if cbs or ch in channels_before} == {
             ch: n for ch, n in channels_before.items()}
+
+
+# -- found by trying to break the above (two features of one member; fenced rows) -----------
+
+async def test_a_cancelled_ring_never_unlocks_the_doorbell_another_lease_of_the_member_holds(
+    dsn: str,
+) -> None:
+    # Session locks are re-entrant: a second Lease of the same member rings the same
+    # bell on the same session. Cancelled while its try waits its turn on the session,
+    # it must not unlock the level the first lease holds.
+    name = unique("member-lease:same-member")
+    group = unique("g")
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=6)
+    try:
+        async with (
+            pgcoord.Member(dsn, group=group, name="m1", ttl=30) as m1,
+            pgcoord.Member(dsn, group=group, name="m2", ttl=30) as m2,
+        ):
+            held = pgcoord.Lease(pool, name, ttl=30, member=m1)
+            await held.acquire()
+            stop = False
+
+            async def keep_busy() -> None:  # m1's shared session, busy through its public API
+                while not stop:
+                    await m1.peers()
+
+            busy = [asyncio.ensure_future(keep_busy()) for _ in range(2)]
+            try:
+                other = pgcoord.Lease(pool, name, ttl=30, member=m1)
+                for i in range(150):
+                    with contextlib.suppress(TimeoutError, pgcoord.LockBusy):
+                        await asyncio.wait_for(other.acquire(wait=False), timeout=0.0005 * (i % 7))
+                    if other.fence is not None:
+                        await other.release()
+                    await asyncio.sleep(0.003)
+                    assert m1._main is not None
+                    assert m1._main.backend_pid in bell_holders(dsn, name), f"bell lost at try {i}"
+            finally:
+                stop = True
+                await asyncio.gather(*busy)
+            await asyncio.sleep(0.3)  # any unlock sent in the background has run by now
+            assert held.valid
+            with pytest.raises(pgcoord.LockBusy):
+                await pgcoord.Lease(pool, name, ttl=30, member=m2).acquire(wait=False)
+            await held.release()
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("with_member", [True, False], ids=["member", "plain"])
+async def test_wait_false_on_a_row_a_fenced_transaction_holds_is_busy_at_once(
+    dsn: str, with_member: bool,
+) -> None:
+    name = unique("lease:fenced-busy")
+    group = unique("g")
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=6)
+    try:
+        async with (
+            pgcoord.Member(dsn, group=group, ttl=30) as m1,
+            pgcoord.Member(dsn, group=group, ttl=30) as m2,
+        ):
+            held = pgcoord.Lease(pool, name, ttl=30, member=m1 if with_member else None)
+            fence = await held.acquire()
+            async with pool.acquire() as conn, conn.transaction():
+                await pgcoord.check_fence(conn, name, fence)  # the row FOR SHARE until commit
+                contender = pgcoord.Lease(pool, name, ttl=30, member=m2 if with_member else None)
+                started = time.monotonic()
+                with pytest.raises(pgcoord.LockBusy):
+                    await contender.acquire(wait=False)
+                assert time.monotonic() - started < 1.0
+                started = time.monotonic()
+                with pytest.raises(pgcoord.LockTimeout):
+                    await contender.acquire(timeout=0.5)
+                assert time.monotonic() - started < 1.5
+            await held.release()
+    finally:
+        await pool.close()
