@@ -259,6 +259,18 @@ class Subscription(Generic[T]):
         self._subscribers.discard(self._queue)
 
 
+def backoff_delay(failures: int, first: float, cap: float) -> float:
+    """The delay after ``failures`` failures in a row: ``first``, doubling, at most ``cap``
+    (0 after none); before jitter."""
+    return 0.0 if failures <= 0 else min(cap, first * 2.0 ** (failures - 1))
+
+
+def jittered(delay: float) -> float:
+    """A half to the whole of ``delay``, so that replicas that failed together do not
+    try again together."""
+    return delay * random.uniform(0.5, 1.0)
+
+
 class Backoff:
     """How long to wait before trying again: ``first``, doubling at each failure up to
     ``cap``, and back to nothing after a success. Waits are jittered (a half to the
@@ -266,19 +278,23 @@ class Backoff:
 
     def __init__(self, first: float = 0.05, cap: float = 5.0) -> None:
         self.first, self.cap = first, cap
-        self.delay = 0.0
+        self.failures = 0
+
+    @property
+    def delay(self) -> float:
+        return backoff_delay(self.failures, self.first, self.cap)
 
     def reset(self) -> None:
-        self.delay = 0.0
+        self.failures = 0
 
     def failed(self) -> float:
         """One more failure: the new delay (before jitter)."""
-        self.delay = min(max(self.delay * 2, self.first), self.cap)
+        self.failures += 1
         return self.delay
 
     def jittered(self) -> float:
         """The current delay, jittered: what to wait now."""
-        return self.delay * random.uniform(0.5, 1.0)
+        return jittered(self.delay)
 
     async def sleep(self) -> None:
         """Wait out the current delay, jittered (at once after a success)."""

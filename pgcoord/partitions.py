@@ -556,7 +556,7 @@ class Partitions:
     async def _supervise(self, part: Partition) -> None:
         own = self._own
         assert own is not None
-        delay = RESTART_FIRST
+        backoff = Backoff(RESTART_FIRST, RESTART_MAX)
         while True:
             try:
                 await own(part)
@@ -572,9 +572,8 @@ class Partitions:
                                 self.name, part.name, exc)
                     raise asyncio.CancelledError from exc
                 log.exception("partitions %r: own(%s) failed; starting it again in %.0fs",
-                              self.name, part.name, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RESTART_MAX)
+                              self.name, part.name, backoff.failed())
+            await asyncio.sleep(backoff.delay)  # not jittered: one part, one owner
 
     async def _stop_tasks(self) -> None:
         """Cancel every own() (once, unless its part is lost: a second cancel would

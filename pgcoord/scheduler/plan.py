@@ -15,6 +15,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+from .._aio import backoff_delay, jittered
 from .cron import Job, next_slot, slots_between
 
 UTC = dt.UTC
@@ -150,5 +151,4 @@ def backfill_slots(spec: Job, start: dt.datetime, end: dt.datetime, now: dt.date
 def backoff(failures: int) -> float:
     """Seconds to wait after ``failures`` failed ticks in a row: doubling, capped, jittered
     (so that replicas cut off together do not come back in step)."""
-    base: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2.0 ** max(0, failures - 1))
-    return base * random.uniform(0.5, 1.0)
+    return jittered(backoff_delay(max(1, failures), BACKOFF_FIRST, BACKOFF_MAX))
