@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from . import schedules as _schedules
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, absorb_cancel, consume_result, finish_despite_cancel
 from ._cron import Handler, Job, check_expr, check_zone, next_slot, seconds, slots_between
-from ._drivers import check_source, run_statement
+from ._drivers import check_source, driver_of, run_statement
 from ._drivers.capacity import pool_capacity
 from ._finisher import Finisher
 from ._jobalerts import FailingWatch
@@ -101,7 +101,7 @@ def _backoff(failures: int) -> float:
 def _refuse_shared_connection(source: Any) -> None:
     """A SQLAlchemy engine whose pool hands one connection to every checkout is a
     bare connection in disguise: the scheduler's concurrent statements would meet on it."""
-    if type(source).__module__.partition(".")[0] != "sqlalchemy":
+    if driver_of(source) != "sqlalchemy":
         return
     from sqlalchemy.pool import AssertionPool, StaticPool
 
