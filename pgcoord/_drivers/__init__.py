@@ -29,9 +29,10 @@ from .release import release_sync as release_sync
 
 __all__ = [
     "Adapter", "adapt", "bounded_async", "bounded_sync", "check_source", "driver_of", "fetchval_on",
-    "fetchval_on_sync", "find_adapter", "is_bare_connection", "release_async", "release_sync",
-    "run_statement", "tx_session", "tx_session_async", "tx_session_sync",
+    "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "run_statement",
+    "tx_session_async", "tx_session_sync",
 ]
+
 
 def check_source(source: Any, *, need_async: bool = False, background: str | None = None) -> None:
     """Raise now for an object no driver adapter accepts (``UnsupportedConnection``),
@@ -53,19 +54,6 @@ def check_source(source: Any, *, need_async: bool = False, background: str | Non
             f"connection {_describe(source)} with its owner; pass a pool or an engine "
             "(asyncpg Pool, psycopg AsyncConnectionPool, SQLAlchemy AsyncEngine)"
         )
-
-
-def is_bare_connection(source: Any) -> bool:
-    """True for a single connection (of any accepted driver), False for a pool or
-    engine, and for an object no driver made."""
-    found = find_adapter(source)
-    return found is not None and not found.is_pool
-
-
-def tx_session(source: Any, *, want_async: bool) -> AsyncTxSession | SyncTxSession:
-    """A transaction session for ``source``; ``TypeError`` if used with the wrong ``with``."""
-    adapter = adapt(source)
-    return adapter.tx_session_async(source) if want_async else adapter.tx_session_sync(source)
 
 
 def tx_session_async(source: Any) -> AsyncTxSession:
