@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from . import _errmap
+from ._drivers.adapt import is_connect_error
 from ._errmap import _chain, sqlstate
 from .errors import SchemaMissing
 
@@ -200,10 +200,7 @@ def _is_connect_failure(exc: BaseException, code: str | None) -> bool:
     for e in _chain(exc):
         if isinstance(e, OSError):  # refused, unknown host, reset, timed out
             return True
-        psycopg = sys.modules.get("psycopg")  # never imported just to look
-        if psycopg is not None and isinstance(e, psycopg.OperationalError):
-            # psycopg reports a failed connect (refused, timed out, login refused)
-            # or a lost one without a SQLSTATE.
+        if is_connect_error(e):  # psycopg's OperationalError: refused, timed out, login refused
             return True
     return False
 

@@ -13,7 +13,6 @@ A NAME that names no schedule exits 6 (2 is a bad command line).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 from typing import Any
@@ -23,11 +22,11 @@ from ._clierrors import (
     EXIT_NOT_FOUND,
     EXIT_USAGE,
     CliError,
-    has_connect_timeout,
     libpq_dsn,
 )
+from ._drivers.dsn import fetch_rows
 from ._errmap import schema_missing_raised
-from ._queries import query, to_pyformat
+from ._queries import query
 from .schedules import RESUME_CATCH_UP, ScheduleInfo, infos
 
 ACTIONS = ("history", "pause", "resume", "trigger")
@@ -50,29 +49,12 @@ def add_parser(sub: Any, parents: list[argparse.ArgumentParser], dsn_default: st
 
 
 def _fetch_one(dsn: str, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """One statement, autocommit, with the driver that is installed; its first row."""
-    dsn = libpq_dsn(dsn)
+    """One statement, autocommit, through the driver the one DSN rule picks for an
+    operator's command (psycopg first; see ``_drivers/dsn.py``); its first row."""
     with schema_missing_raised():
-        try:
-            import psycopg
-        except ImportError:
-            return asyncio.run(_fetch_asyncpg(dsn, sql, params))
-        timeout: dict[str, Any] = {} if has_connect_timeout(dsn) else {"connect_timeout": CONNECT_TIMEOUT}
-        with psycopg.connect(dsn, autocommit=True, application_name="pgcoord jobs", **timeout) as conn:
-            row = conn.execute(to_pyformat(sql), params).fetchone()
-            return None if row is None else tuple(row)
-
-
-async def _fetch_asyncpg(dsn: str, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    import asyncpg
-
-    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT,
-                                 server_settings={"application_name": "pgcoord jobs"})
-    try:
-        row = await conn.fetchrow(sql, *params)
-        return None if row is None else tuple(row)
-    finally:
-        await conn.close()
+        _, rows = fetch_rows(libpq_dsn(dsn), sql, params, application_name="pgcoord jobs",
+                             connect_timeout=CONNECT_TIMEOUT)
+    return rows[0] if rows else None
 
 
 def _when(value: dt.datetime | str | None) -> str:

@@ -1,16 +1,17 @@
-"""Dedicated connections for LockHolder, Elector and Member: opened from a DSN or
+"""Dedicated sessions for LockHolder, Elector and Member: opened from a DSN or
 borrowed from a pool.
 
-A ``HolderConnection`` is one driver connection used outside any transaction
-(session locks, a lease's doorbell). It tells its owner as soon as the server
-closes it (``on_lost``): asyncpg reads its socket all the time; for psycopg,
-which reads only while a statement runs, the socket is watched while the
-connection is idle (see ``_holderpsycopg``).
+A ``HolderConnection`` (a ``DedicatedSession``, see ``_drivers/protocol.py``) is
+one driver connection used outside any transaction (session locks, a lease's
+doorbell). It tells its owner as soon as the server closes it (``on_lost``) and
+can LISTEN; each driver's module implements it (asyncpg reads its socket all the
+time; a psycopg connection's socket is watched while it is idle).
 
-A ``ConnectionSource`` opens them: its own connections from a DSN, or ones
-borrowed from an asyncpg pool, a psycopg async pool or a SQLAlchemy async
-engine, which go back only after their owner proved them clean, and go back
-*broken* (so the pool replaces them) when they were discarded.
+A ``ConnectionSource`` (a ``SessionSource``) opens them: ``DsnSource`` its own
+from a DSN, by the one rule of ``_drivers/dsn.py``; a pool's or engine's borrows
+them (``Adapter.dedicated_source``) and gives them back only after their owner
+proved them clean, and *broken* (so the pool replaces them) when they were
+discarded.
 
 ``open()`` may wait as any borrower of the pool would (the pool's own timeout
 becomes ``PoolExhausted``). ``open_now()`` gives another connection only if one
@@ -23,363 +24,43 @@ never end).
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from ._dsnhosts import asyncpg_connect, psycopg_connect_timeout
+from ._drivers.adapt import HOLDER_SOURCES, dedicated, describe, find_adapter
+from ._drivers.dsn import LIBRARY, choose_driver, open_dedicated
+from ._drivers.protocol import LEND_TIMEOUT as LEND_TIMEOUT
+from ._drivers.protocol import DedicatedSession, SessionSource
 from ._queries import query
-from .errors import PoolExhausted, UnsupportedConnection
+from .errors import UnsupportedConnection
 
-# How long open_now() lets a pool take to lend a connection it said it had (the
-# pool may have to open it). Past it, the borrower gets PoolExhausted.
-LEND_TIMEOUT = 10.0
-
-
-class HolderConnection(ABC):
-    #: The server process of this session (set by the owner after its setup).
-    backend_pid: int = 0
-    #: The driver's own connection object.
-    conn: Any
-
-    @abstractmethod
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        """One statement with ``$n`` parameters; the first column of its first row."""
-
-    @abstractmethod
-    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
-        """One statement with ``$n`` parameters; its first row."""
-
-    @abstractmethod
-    async def execute(self, sql: str) -> None:
-        """Parameterless SQL, possibly several statements (simple protocol)."""
-
-    async def execute_blocking(self, sql: str) -> None:
-        """``execute()`` for a statement that may wait for long (a lock wait).
-        Where the driver cannot cancel a statement without blocking the event
-        loop (psycopg < 3.2), cancelling this one closes the connection at once
-        instead of first giving it time to end by itself."""
-        await self.execute(sql)
-
-    async def prepare(self) -> None:  # noqa: B027 - optional hook
-        """Make a fresh or borrowed connection fit for session locks."""
-
-    def on_lost(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional hook
-        """Call ``callback`` as soon as the driver sees the connection close."""
-
-    @abstractmethod
-    def announced_pid(self) -> int | None:
-        """The process id the server announced when the connection was made
-        (BackendKeyData). A pooler announces one of its own."""
-
-    @abstractmethod
-    def terminate(self) -> None:
-        """Close the connection at our end at once: never blocks, never waits on
-        the network. The server ends the session (and releases its locks) when it
-        sees the socket close, and a statement in flight fails at once. Safe to
-        call twice and during a statement."""
-
-    def abort(self) -> None:
-        """``terminate()`` for when the statement in flight, if any, is being
-        cancelled (the ``on_timeout`` of a cleanup whose statement runs past its
-        bound): its wait is woken by the cancellation, so the socket can be
-        closed under it at once."""
-        self.terminate()
-
-    @abstractmethod
-    async def close_now(self) -> None:
-        """``terminate()``, then tell the pool (if borrowed) that the connection
-        is gone so it frees the slot. Never waits on the network."""
-
-    @abstractmethod
-    async def give_back(self) -> None:
-        """Return a borrowed connection to its pool, or close an owned one."""
+#: What LockHolder, Elector and Member hold: the ``DedicatedSession`` protocol
+#: (``_drivers/protocol.py``), implemented by each driver module.
+HolderConnection = DedicatedSession
 
 
-class Lender:
-    """How a borrowed connection goes back: as good, or as broken."""
-
-    async def give_back(self, driver_conn: Any) -> None:
-        raise NotImplementedError
-
-    async def discard(self, driver_conn: Any) -> None:
-        """The connection is closed at our end already; free its slot."""
-        raise NotImplementedError
+#: Where they come from (``_drivers/protocol.py``): ``DsnSource`` below, or a pool's
+#: or engine's (``Adapter.dedicated_source``, in each driver's module).
+ConnectionSource = SessionSource
 
 
-# -- asyncpg ---------------------------------------------------------------------------
+class DsnSource(SessionSource):
+    """Connections of its own, opened from a DSN by the driver ``choose_driver``
+    picks (``driver=`` if given; ``prefer`` is the library's order unless a
+    caller, such as doctor, is an operator's command)."""
 
-def _raw_asyncpg(conn: Any) -> Any:
-    """The Connection behind a pool's proxy: its methods skip the proxy's dispatch."""
-    import asyncpg
-
-    raw = getattr(conn, "_con", None)
-    return raw if isinstance(raw, asyncpg.Connection) else conn
-
-
-class _Asyncpg(HolderConnection):
-    def __init__(self, conn: Any, lender: Lender | None) -> None:
-        self.conn = conn
-        self._raw = _raw_asyncpg(conn)
-        self._lender = lender
-        self._listeners: list[Callable[[Any], None]] = []
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        return await self._raw.fetchval(sql, *args)
-
-    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
-        row = await self._raw.fetchrow(sql, *args)
-        return None if row is None else tuple(row)
-
-    async def execute(self, sql: str) -> None:
-        await self._raw.execute(sql)
-
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        def listener(_conn: Any) -> None:
-            callback()
-
-        self._listeners.append(listener)
-        self._raw.add_termination_listener(listener)
-
-    def _forget_listeners(self) -> None:
-        # A pooled connection outlives us: its next user's loss is not ours.
-        for listener in self._listeners:
-            self._raw.remove_termination_listener(listener)
-        self._listeners.clear()
-
-    def announced_pid(self) -> int | None:
-        return int(self._raw.get_server_pid())
-
-    def terminate(self) -> None:
-        self._raw.terminate()
-
-    async def close_now(self) -> None:
-        self.terminate()
-        if self._lender is not None:
-            await self._lender.discard(self.conn)
-
-    async def give_back(self) -> None:
-        self._forget_listeners()
-        if self._lender is None:
-            await self._raw.close(timeout=5)
-        else:
-            await self._lender.give_back(self.conn)
-
-
-# -- psycopg ---------------------------------------------------------------------------
-
-def _wrap(driver_conn: Any, lender: Lender | None) -> HolderConnection:
-    module = type(driver_conn).__module__.partition(".")[0]
-    if module == "asyncpg":
-        return _Asyncpg(driver_conn, lender)
-    if module == "psycopg":
-        from ._holderpsycopg import PsycopgConnection
-
-        return PsycopgConnection(driver_conn, lender)
-    raise UnsupportedConnection(f"LockHolder cannot use a {type(driver_conn).__qualname__}")
-
-
-# -- sources ---------------------------------------------------------------------------
-
-class ConnectionSource(ABC):
-    @abstractmethod
-    async def open(self) -> HolderConnection:
-        """A connection, waiting for it as any borrower of the pool would."""
-
-    @abstractmethod
-    async def open_now(self) -> HolderConnection | None:
-        """A connection if one can be had without waiting for another borrower
-        to give one back; None otherwise."""
-
-
-class DsnSource(ConnectionSource):
-    def __init__(self, dsn: str, driver: str | None, keepalive: float) -> None:
-        # asyncpg reads only URLs; libpq (psycopg) also reads key=value strings, such as
-        # the multi-host "host=a,b port=5432,5432 target_session_attrs=read-write".
-        is_url = "://" in dsn
-        if driver is None:
-            driver = next(
-                (d for d in (("asyncpg", "psycopg") if is_url else ("psycopg",))
-                 if importlib.util.find_spec(d) is not None), None
-            )
-            if driver is None:
-                raise UnsupportedConnection(
-                    "LockHolder(dsn) needs asyncpg or psycopg installed" if is_url else
-                    "a key=value DSN needs psycopg installed (asyncpg reads only postgresql:// URLs)")
-        if driver not in ("asyncpg", "psycopg"):
-            raise ValueError(f"driver must be 'asyncpg' or 'psycopg', not {driver!r}")
-        if driver == "asyncpg" and not is_url:
-            raise ValueError("asyncpg reads only postgresql:// URLs, not key=value DSNs: pass the "
-                             "URL form (postgresql://user@host1:5432,host2:5432/db?...) or driver='psycopg'")
-        self.dsn, self.driver, self.keepalive = dsn, driver, keepalive
+    def __init__(self, dsn: str, driver: str | None, keepalive: float, *,
+                 prefer: Sequence[str] = LIBRARY, connect_timeout: float | None = None) -> None:
+        self.driver = choose_driver(dsn, driver, prefer=prefer)
+        self.dsn, self.keepalive, self.connect_timeout = dsn, keepalive, connect_timeout
 
     async def open(self) -> HolderConnection:
-        if self.driver == "asyncpg":
-            return _wrap(await asyncpg_connect(self.dsn, self.keepalive), None)
-        import psycopg
-
-        idle = max(1, int(self.keepalive / 2))
-        conn = await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, keepalives=1, keepalives_idle=idle,
-            keepalives_interval=max(1, idle // 2), keepalives_count=3,
-            tcp_user_timeout=int(self.keepalive * 1000),
-            **psycopg_connect_timeout(self.dsn, self.keepalive),
-        )
-        return _wrap(conn, None)
+        conn = await open_dedicated(self.dsn, self.driver, keepalive=self.keepalive,
+                                    connect_timeout=self.connect_timeout)
+        return dedicated(conn, None)
 
     async def open_now(self) -> HolderConnection:
         return await self.open()
-
-
-class _AsyncpgLender(Lender):
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    async def give_back(self, driver_conn: Any) -> None:
-        await self.pool.release(driver_conn)
-
-    async def discard(self, driver_conn: Any) -> None:
-        # A terminated connection's holder goes back to the pool, which opens
-        # a new connection for the next borrower.
-        await self.pool.release(driver_conn)
-
-
-class AsyncpgPoolSource(ConnectionSource):
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self._lender = _AsyncpgLender(pool)
-
-    async def open(self) -> HolderConnection:
-        return _wrap(await self.pool.acquire(), self._lender)
-
-    async def open_now(self) -> HolderConnection | None:
-        pool = self.pool
-        if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
-            return None
-        try:
-            conn = await pool.acquire(timeout=LEND_TIMEOUT)
-        except TimeoutError:
-            return None
-        return _wrap(conn, self._lender)
-
-
-class _PsycopgLender(Lender):
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-
-    async def give_back(self, driver_conn: Any) -> None:
-        await self.pool.putconn(driver_conn)
-
-    async def discard(self, driver_conn: Any) -> None:
-        # putconn() sees a closed connection, drops it and opens a replacement.
-        await self.pool.putconn(driver_conn)
-
-
-class PsycopgPoolSource(ConnectionSource):
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self._lender = _PsycopgLender(pool)
-
-    async def open(self) -> HolderConnection:
-        import psycopg_pool
-
-        try:
-            conn = await self.pool.getconn()
-        except psycopg_pool.PoolTimeout as exc:
-            raise PoolExhausted(
-                f"the psycopg pool lent no connection to LockHolder within its timeout: {exc}"
-            ) from exc
-        return _wrap(conn, self._lender)
-
-    async def open_now(self) -> HolderConnection | None:
-        import psycopg_pool
-
-        pool = self.pool
-        stats = pool.get_stats()
-        if stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= pool.max_size:
-            return None
-        try:
-            conn = await pool.getconn(timeout=LEND_TIMEOUT)
-        except psycopg_pool.PoolTimeout:
-            return None
-        return _wrap(conn, self._lender)
-
-
-class _SQLAlchemyLender(Lender):
-    def __init__(self, sa_conn: Any) -> None:
-        self.sa_conn = sa_conn
-
-    async def give_back(self, driver_conn: Any) -> None:
-        await self.sa_conn.close()
-
-    async def discard(self, driver_conn: Any) -> None:
-        # invalidate() drops the pool's record of this connection (the driver
-        # connection is already closed, so its own close returns at once).
-        try:
-            await self.sa_conn.invalidate()
-        finally:
-            await self.sa_conn.close()
-
-
-class SQLAlchemySource(ConnectionSource):
-    def __init__(self, engine: Any) -> None:
-        from sqlalchemy.pool import SingletonThreadPool, StaticPool
-
-        if isinstance(engine.pool, StaticPool | SingletonThreadPool):
-            raise UnsupportedConnection(
-                f"LockHolder cannot use an engine with a {type(engine.pool).__name__}: it hands "
-                "the same connection to every borrower, so session locks would be shared with "
-                "them; use the default pool or NullPool"
-            )
-        self.engine = engine
-
-    async def open(self) -> HolderConnection:
-        from sqlalchemy.exc import TimeoutError as SATimeout
-
-        try:
-            sa_conn = await self.engine.connect()
-        except SATimeout as exc:
-            raise PoolExhausted(
-                f"the SQLAlchemy pool lent no connection to LockHolder within its timeout: {exc}"
-            ) from exc
-        return await self._adopt(sa_conn)
-
-    def _can_lend_now(self) -> bool:
-        from sqlalchemy.pool import NullPool, QueuePool
-
-        pool = self.engine.pool
-        if isinstance(pool, NullPool):
-            return True
-        if isinstance(pool, QueuePool):
-            # QueuePool keeps its overflow limit private; without it, ask anyway.
-            max_overflow = getattr(pool, "_max_overflow", None)
-            if not isinstance(max_overflow, int):
-                return True
-            return pool.checkedin() > 0 or max_overflow < 0 or pool.overflow() < max_overflow
-        return True
-
-    async def open_now(self) -> HolderConnection | None:
-        from sqlalchemy.exc import TimeoutError as SATimeout
-
-        if not self._can_lend_now():
-            return None
-        try:
-            async with asyncio.timeout(LEND_TIMEOUT):
-                sa_conn = await self.engine.connect()
-        except (TimeoutError, SATimeout):
-            return None
-        return await self._adopt(sa_conn)
-
-    async def _adopt(self, sa_conn: Any) -> HolderConnection:
-        try:
-            raw = await sa_conn.get_raw_connection()
-            return _wrap(raw.driver_connection, _SQLAlchemyLender(sa_conn))
-        except BaseException:
-            await sa_conn.invalidate()
-            await sa_conn.close()
-            raise
 
 
 def connection_source(source: Any, driver: str | None, keepalive: float) -> ConnectionSource:
@@ -390,26 +71,10 @@ def connection_source(source: Any, driver: str | None, keepalive: float) -> Conn
         return DsnSource(source, driver, keepalive)
     if driver is not None:
         raise ValueError("driver= is only for a DSN; a pool already has its driver")
-    modules = {cls.__module__.partition(".")[0] for cls in type(source).__mro__}
-    if "asyncpg" in modules:
-        import asyncpg
-
-        if isinstance(source, asyncpg.Pool):
-            return AsyncpgPoolSource(source)
-    if "psycopg_pool" in modules:
-        import psycopg_pool
-
-        if isinstance(source, psycopg_pool.AsyncConnectionPool):
-            return PsycopgPoolSource(source)
-    if "sqlalchemy" in modules:
-        from sqlalchemy.ext.asyncio import AsyncEngine
-
-        if isinstance(source, AsyncEngine):
-            return SQLAlchemySource(source)
-    raise UnsupportedConnection(
-        f"LockHolder cannot use {type(source).__module__}.{type(source).__qualname__}; expected "
-        "a DSN, an asyncpg Pool, a psycopg AsyncConnectionPool or a SQLAlchemy AsyncEngine"
-    )
+    found = find_adapter(source)
+    if found is None:
+        raise UnsupportedConnection(f"LockHolder cannot use {describe(source)}; expected {HOLDER_SOURCES}")
+    return found.dedicated_source(source)
 
 
 async def behind_transaction_pooler(source: ConnectionSource, conn: HolderConnection) -> bool:

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _errmap, metrics, semaphores
 from ._aio import CleanupTimeout, absorb_cancel, finish_despite_cancel
+from ._drivers.adapt import adapt
 from ._queries import query
-from ._semwait import CHANNEL, purge_backlog
+from ._semwait import CHANNEL
 from .errors import LockLost, PgcoordError
 from .semaphores import SEMAPHORE_RECHECK, SemaphoreRequest
 
@@ -56,7 +57,7 @@ def _session_of(carrier: Carrier) -> Any:
     """The driver connection behind a carrier: holders on one member share it. An
     asyncpg pool's proxy stands for its Connection (which takes weak references)."""
     conn = carrier.conn.conn
-    return getattr(conn, "_con", None) or conn
+    return adapt(conn).driver_connection(conn)
 
 
 def _lanes_of(carrier: Carrier, key: int) -> list[int]:
@@ -136,32 +137,12 @@ async def _listen(carrier: Carrier, callback: Callable[[str], None]) -> Callable
     """LISTEN on the waiting connection; returns how to stop hearing (the server's
     UNLISTEN comes with the statement that got the lane or gave up). A borrowed
     connection must go back with no listener of ours: asyncpg's pool warns of one."""
-    driver = carrier.conn.conn
-    if type(driver).__module__.partition(".")[0] == "asyncpg":
-        def on_asyncpg(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
-            callback(payload)
+    unlisten = await carrier.conn.listen(CHANNEL, callback)
 
-        await driver.add_listener(CHANNEL, on_asyncpg)
+    async def stop() -> None:
+        await unlisten(lost=carrier.lost)
 
-        async def stop_asyncpg() -> None:
-            if not carrier.lost and not driver.is_closed():
-                await driver.remove_listener(CHANNEL, on_asyncpg)  # one more UNLISTEN
-
-        return stop_asyncpg
-
-    def on_psycopg(notify: Any) -> None:
-        if notify.channel == CHANNEL:
-            callback(notify.payload)
-
-    driver.add_notify_handler(on_psycopg)
-    await carrier.conn.execute(f"LISTEN {CHANNEL}")
-
-    async def stop_psycopg() -> None:
-        with contextlib.suppress(ValueError):
-            driver.remove_notify_handler(on_psycopg)
-        purge_backlog(driver)
-
-    return stop_psycopg
+    return stop
 
 
 class HeldSemaphore:

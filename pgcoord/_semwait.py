@@ -18,24 +18,12 @@ import selectors
 import time
 from typing import Any
 
+from ._drivers.adapt import driver_of
 from ._queries import to_pyformat
 
 CHANNEL = "pgcoord_semaphores"
 _LISTEN = f"LISTEN {CHANNEL}"
 _BACKEND_PID = "SELECT pg_catalog.pg_backend_pid()"
-
-
-def driver_connection(session: Any) -> Any:
-    """The asyncpg or psycopg connection under a checked-out ``_drivers`` session."""
-    for attr in ("_driver", "_raw"):  # SQLAlchemy's driver connection, asyncpg's raw one
-        found = getattr(session, attr, None)
-        if found is not None:
-            return found
-    return session.conn
-
-
-def _module(conn: Any) -> str:
-    return type(conn).__module__.partition(".")[0]
 
 
 class _Wake:
@@ -48,29 +36,6 @@ class _Wake:
     def psycopg(self, notify: Any) -> None:
         if notify.channel == CHANNEL and notify.payload == self.payload:
             self.woken = True
-
-
-def purge_backlog(conn: Any) -> None:
-    """psycopg 3.3 keeps notifications that arrive outside ``notifies()`` for a
-    later ``notifies()`` call: ours must not reach the connection's next user."""
-    backlog = getattr(conn, "_notifies_backlog", None)
-    if backlog:
-        kept = [n for n in backlog if n.channel != CHANNEL]
-        backlog.clear()
-        backlog.extend(kept)
-
-
-def _read_notifications(conn: Any) -> None:
-    """Parse what arrived on an idle psycopg connection; notifications go to its
-    notify handlers. A connection the server closed is found closed by psycopg's
-    next statement, which then raises as usual."""
-    pgconn = conn.pgconn
-    with contextlib.suppress(Exception):
-        pgconn.consume_input()
-    while (notify := pgconn.notifies()) is not None:
-        handler = pgconn.notify_handler
-        if handler is not None:
-            handler(notify)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -86,7 +51,7 @@ class _LaneConn:
     @classmethod
     def can_wait_on(cls, conn: Any) -> bool:
         """Whether a wait can hear notifications on this driver connection."""
-        return _module(conn) in cls.DRIVERS
+        return driver_of(conn) in cls.DRIVERS
 
 
 class AsyncLaneConn(_LaneConn):
@@ -96,7 +61,7 @@ class AsyncLaneConn(_LaneConn):
 
     def __init__(self, conn: Any, key: int) -> None:
         self.conn = conn
-        self.module = _module(conn)
+        self.module = driver_of(conn)
         if self.module not in self.DRIVERS:
             raise TypeError(f"cannot wait on a {type(conn).__qualname__}")
         self._wake = _Wake(key)
@@ -165,6 +130,8 @@ class AsyncLaneConn(_LaneConn):
         self._event.clear()
 
     async def _wait_psycopg(self, seconds: float) -> None:
+        from ._drivers.psycopg import read_notifications
+
         # Every semaphore's releases go to one channel: read on until one is ours.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
@@ -179,7 +146,7 @@ class AsyncLaneConn(_LaneConn):
                 loop.remove_reader(fd)
             if not readable.done():
                 return
-            _read_notifications(self.conn)
+            read_notifications(self.conn)
             if self.conn.closed:
                 return  # the next statement raises as psycopg does
 
@@ -194,9 +161,11 @@ class AsyncLaneConn(_LaneConn):
             if not self.conn.is_closed():
                 await self.conn.remove_listener(CHANNEL, self._on_asyncpg)
         else:
+            from ._drivers.psycopg import purge_backlog
+
             with contextlib.suppress(ValueError):
                 self.conn.remove_notify_handler(self._on_psycopg)
-            purge_backlog(self.conn)
+            purge_backlog(self.conn, CHANNEL)
 
 
 class SyncLaneConn(_LaneConn):
@@ -233,6 +202,8 @@ class SyncLaneConn(_LaneConn):
         self.fetchval(_LISTEN)
 
     def wait(self, timeout: float) -> None:
+        from ._drivers.psycopg import read_notifications
+
         deadline = time.monotonic() + timeout
         # A selector, not select.select(): that refuses descriptors >= FD_SETSIZE.
         with selectors.DefaultSelector() as watch:
@@ -240,7 +211,7 @@ class SyncLaneConn(_LaneConn):
             while not self._wake.woken and (remaining := deadline - time.monotonic()) > 0:
                 if not watch.select(remaining):
                     break
-                _read_notifications(self.conn)
+                read_notifications(self.conn)
                 if self.conn.closed:
                     break
         self._wake.woken = False
@@ -249,6 +220,8 @@ class SyncLaneConn(_LaneConn):
         if not self._listening:
             return
         self._listening = False
+        from ._drivers.psycopg import purge_backlog
+
         with contextlib.suppress(ValueError):
             self.conn.remove_notify_handler(self._wake.psycopg)
-        purge_backlog(self.conn)
+        purge_backlog(self.conn, CHANNEL)

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
 
-from ._holderconn import DsnSource, HolderConnection, behind_transaction_pooler
+from ._drivers.dsn import OPERATOR
+from ._drivers.protocol import DedicatedSession
+from ._holderconn import DsnSource, behind_transaction_pooler
 from ._queries import parse
 from ._resources import migrations_dir, read_sql
 
@@ -245,12 +247,7 @@ def check_pooler(pooled: bool, transaction_mode: bool) -> Check:
 
 # -- running them ---------------------------------------------------------------------------
 
-def _driver() -> str:
-    # libpq reads every form of DSN (key=value, multi-host); asyncpg only URLs.
-    return "psycopg" if importlib.util.find_spec("psycopg") is not None else "asyncpg"
-
-
-async def _gather(conn: HolderConnection, source: DsnSource, *, locks: int, connections: int,
+async def _gather(conn: DedicatedSession, source: DsnSource, *, locks: int, connections: int,
                   role: str | None, clock: Callable[[], float]) -> list[Check]:
     sent = clock()
     num, version, in_recovery, pid, sync_commit, server_now, user = await conn.fetchrow(  # type: ignore[misc]
@@ -293,11 +290,12 @@ async def run_checks_async(dsn: str, *, locks: int = 0, connections: int = 0, ro
     """Every check against ``dsn``. ``locks``: the advisory locks the deployment holds at
     its peak; ``connections``: the connections it will open beyond those open now;
     ``role``: whose privileges to check (default: the role connected)."""
-    from ._clierrors import describe, explain, libpq_dsn, with_connect_timeout
+    from ._clierrors import CONNECT_TIMEOUT, describe, explain, libpq_dsn
 
     try:  # a DSN no installed driver reads is a connect failure too
-        source = DsnSource(with_connect_timeout(libpq_dsn(dsn)) if "://" in dsn else dsn, _driver(),
-                           keepalive=10.0)
+        # An operator's command: psycopg (libpq) first, see _drivers/dsn.py.
+        source = DsnSource(libpq_dsn(dsn), None, keepalive=10.0, prefer=OPERATOR,
+                           connect_timeout=CONNECT_TIMEOUT)
         conn = await source.open()
     except Exception as exc:
         failure = explain(exc, dsn)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import _errmap, metrics
-from ._drivers import is_async_connection
+from ._drivers import adapt
 from ._txscope._async.fence import fence_error_async
 from ._txscope._sync.fence import fence_error_sync
-from .errors import PgcoordError, StaleFence
+from .errors import PgcoordError, StaleFence, UnsupportedConnection
 
 __all__ = ["SQLSTATE_STALE_FENCE", "check_fence"]
 
@@ -40,33 +40,9 @@ def _stale(exc: BaseException, name: str, fence: int) -> BaseException:
     return _errmap.as_schema_missing(exc)
 
 
-def _in_transaction(conn: Any) -> bool | None:
-    """Whether ``conn``'s session is inside a transaction block, as its driver last
-    heard from the server; None where pgcoord cannot tell."""
-    driver = conn
-    root = type(conn).__module__.partition(".")[0]
-    if root == "sqlalchemy":
-        sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's Connection
-        if sync is None or getattr(sync, "invalidated", True) or getattr(sync, "closed", True):
-            return None
-        driver = sync.connection.driver_connection
-        root = type(driver).__module__.partition(".")[0]
-    if root == "asyncpg":
-        return bool(driver.is_in_transaction())
-    if root == "psycopg":
-        from psycopg.pq import TransactionStatus
-
-        status = driver.info.transaction_status
-        if status == TransactionStatus.IDLE:
-            return False
-        if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
-            return True
-    return None
-
-
 def _outcome(conn: Any, error: BaseException | None, name: str, fence: int) -> None:
     """Raise what the check found; misuse first, since it fenced nothing either way."""
-    if _in_transaction(conn) is False:
+    if adapt(conn).in_transaction(conn) is False:
         raise PgcoordError(_OUTSIDE_TRANSACTION) from (
             None if error is None else _stale(error, name, fence))
     if error is not None:
@@ -103,7 +79,12 @@ def check_fence(conn: Any, name: str, fence: int) -> Any:
         raise ValueError("lease name must not be empty")
     if isinstance(fence, bool) or not isinstance(fence, int):
         raise TypeError("fence must be an int")
-    if is_async_connection(conn):
+    adapter = adapt(conn)
+    if adapter.is_pool:
+        raise UnsupportedConnection(
+            f"check_fence takes the connection whose transaction makes the fenced write, "
+            f"not a pool or engine ({adapter.description})")
+    if adapter.is_async:
         async def check() -> None:
             _outcome(conn, await fence_error_async(conn, name, fence), name, fence)
         return check()

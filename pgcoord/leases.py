@@ -31,13 +31,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _errmap, metrics
 from ._aio import CLEANUP_TIMEOUT, CleanupTimeout, Supervisor, absorb_cancel, finish_despite_cancel
-from ._drivers import (
-    check_source,
-    release_async,
-    tx_session,
-)
-from ._drivers.base import AsyncTxSession
+from ._drivers import check_source, release_async, tx_session_async
+from ._drivers.adapt import is_pool_timeout
 from ._drivers.capacity import pool_capacity
+from ._drivers.protocol import TxSession
 from ._queries import query
 from ._tenure import Doorbell, Tenure, keep_renewed, trust_margin
 from .errors import LeaseLost, LockBusy, LockTimeout, PgcoordError
@@ -125,10 +122,7 @@ def _refuse_single_connection_pool(source: Any) -> None:
 
 def _pool_timeout(exc: BaseException) -> bool:
     """The pool had no connection to give in time: trying again would wait as long again."""
-    if isinstance(exc, TimeoutError):
-        return True
-    root = type(exc).__module__.partition(".")[0]
-    return root in ("psycopg_pool", "sqlalchemy") and type(exc).__name__ in ("PoolTimeout", "TimeoutError")
+    return is_pool_timeout(exc)
 
 
 def _dead_connection(exc: BaseException) -> bool:
@@ -154,7 +148,7 @@ class _Statement:
 
     def __init__(self, source: Any) -> None:
         self._source = source
-        self._session: AsyncTxSession | None = None
+        self._session: TxSession | None = None
         #: Whether the pool ever lent a connection (False: all were in use meanwhile).
         self.lent = False
         self._abandoned = False
@@ -162,8 +156,7 @@ class _Statement:
     async def row(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if self._abandoned:  # given up on: no new try (and no new connection) for it
             raise asyncio.CancelledError
-        session = tx_session(self._source, want_async=True)
-        assert isinstance(session, AsyncTxSession)
+        session = tx_session_async(self._source)
         await session.checkout()
         self._session, self.lent = session, True
         try:

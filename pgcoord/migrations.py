@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ._keys import lock_key
 from ._resources import migrations_dir, read_sql
+from .errors import UnsupportedConnection
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -54,7 +55,10 @@ MIGRATE_LOCK_KEY = lock_key("pgcoord.migrate")
 
 
 def sqlalchemy_url(dsn: str) -> str:
-    """A libpq URL as a SQLAlchemy URL, preferring psycopg, then asyncpg."""
+    """A libpq URL as a SQLAlchemy URL, for the driver the one DSN rule picks for an
+    operator's command (psycopg, then asyncpg: Alembic's engine is sync; see
+    ``_drivers/dsn.py``). A URL that names its driver (``postgresql+psycopg://``)
+    keeps it."""
     scheme, sep, rest = dsn.partition("://")
     if not sep:
         raise ValueError(f"expected a postgresql:// URL, got {dsn!r}")
@@ -62,11 +66,13 @@ def sqlalchemy_url(dsn: str) -> str:
         return _hosts_as_query(dsn)
     if scheme not in ("postgresql", "postgres"):
         raise ValueError(f"not a PostgreSQL URL: {dsn!r}")
+    from ._drivers.dsn import OPERATOR, choose_driver
+
     try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        return _hosts_as_query(f"postgresql+asyncpg://{rest}")
-    return _hosts_as_query(f"postgresql+psycopg://{rest}")
+        driver = choose_driver(dsn, prefer=OPERATOR)
+    except UnsupportedConnection:
+        driver = "psycopg"  # neither installed: SQLAlchemy then says which to install
+    return _hosts_as_query(f"postgresql+{driver}://{rest}")
 
 
 def _hosts_as_query(url: str) -> str:

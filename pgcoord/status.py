@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
 import shutil
@@ -11,7 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._clierrors import CONNECT_TIMEOUT, has_connect_timeout, libpq_dsn
+from ._clierrors import CONNECT_TIMEOUT, libpq_dsn
+from ._drivers.dsn import fetch_rows
 from ._errmap import schema_missing_raised
 from ._queries import query
 
@@ -19,29 +19,12 @@ Row = dict[str, Any]
 
 
 def fetch_holders(dsn: str) -> list[Row]:
-    """Rows of ``pgcoord.holders``, with the driver that is installed."""
-    dsn = libpq_dsn(dsn)
+    """Rows of ``pgcoord.holders``, through the driver the one DSN rule picks for an
+    operator's command (psycopg first; see ``_drivers/dsn.py``)."""
     with schema_missing_raised():
-        try:
-            import psycopg
-            from psycopg.rows import dict_row
-        except ImportError:
-            return asyncio.run(_fetch_asyncpg(dsn))
-        # libpq waits for ever for a server that does not answer; a command should not.
-        timeout: dict[str, Any] = {} if has_connect_timeout(dsn) else {"connect_timeout": CONNECT_TIMEOUT}
-        with psycopg.connect(dsn, autocommit=True, application_name="pgcoord status", **timeout) as conn:
-            return list(conn.cursor(row_factory=dict_row).execute(query("holders_list")))
-
-
-async def _fetch_asyncpg(dsn: str) -> list[Row]:
-    import asyncpg
-
-    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT,
-                                 server_settings={"application_name": "pgcoord status"})
-    try:
-        return [dict(r) for r in await conn.fetch(query("holders_list"))]
-    finally:
-        await conn.close()
+        names, rows = fetch_rows(libpq_dsn(dsn), query("holders_list"),
+                                 application_name="pgcoord status", connect_timeout=CONNECT_TIMEOUT)
+    return [dict(zip(names, row, strict=True)) for row in rows]
 
 
 def _age(seconds: float | None) -> str:

@@ -17,6 +17,7 @@ cannot run a multi-statement message, and takes BEGIN and the lock separately.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from collections.abc import Coroutine
@@ -28,7 +29,9 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 
 from .._aio import consume_result
 from .._queries import to_pyformat
+from .adapt import Adapter
 from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
+from .protocol import DedicatedSession, Lender, SessionSource
 
 try:
     import psycopg_pool
@@ -48,6 +51,70 @@ SYNC_POOL_TYPES: tuple[type, ...] = (
 def _in_transaction(conn: Any) -> bool:
     # pgconn's status is a plain int; conn.info builds an object and an enum per call.
     return bool(conn.pgconn.transaction_status != TransactionStatus.IDLE)
+
+
+class PsycopgAdapter(Adapter):
+    driver = "psycopg"
+    __slots__ = ()
+
+    async def fetchval_on(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        cur = await conn.execute(to_pyformat(sql), params)
+        row = await cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+
+    def fetchval_on_sync(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        cur = conn.execute(to_pyformat(sql), params)
+        row = cur.fetchone() if cur.description else None
+        return None if row is None else row[0]
+
+    def in_transaction(self, conn: Any) -> bool | None:
+        status = conn.info.transaction_status
+        if status == TransactionStatus.IDLE:
+            return False
+        if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+            return True
+        return None  # ACTIVE (a statement in flight) or UNKNOWN (a broken connection)
+
+    def pool_capacity(self, source: Any) -> int | None:
+        if not self.is_pool:
+            return None
+        return int(source.max_size) or None  # 0: an AsyncNullConnectionPool without a bound
+
+    def dedicated(self, conn: Any, lender: Lender | None) -> DedicatedSession:
+        if self.is_pool or not self.is_async:
+            return super().dedicated(conn, lender)
+        from .psycopg_dedicated import PsycopgDedicated
+
+        return PsycopgDedicated(conn, lender)
+
+    def dedicated_source(self, pool: Any) -> SessionSource:
+        if not (self.is_pool and self.is_async):
+            return super().dedicated_source(pool)
+        from .psycopg_dedicated import PsycopgPoolSessions
+
+        return PsycopgPoolSessions(pool)
+
+
+def classify(cls: type) -> Adapter | None:
+    for types, is_async, is_pool, session in (
+        (ASYNC_POOL_TYPES, True, True, AsyncPsycopgSession),
+        (ASYNC_CONNECTION_TYPES, True, False, AsyncPsycopgSession),
+        (SYNC_POOL_TYPES, False, True, SyncPsycopgSession),
+        (SYNC_CONNECTION_TYPES, False, False, SyncPsycopgSession),
+    ):
+        if types and issubclass(cls, types):
+            return PsycopgAdapter(cls, is_async=is_async, is_pool=is_pool, session=session)
+    return None
+
+
+def is_pool_timeout(exc: BaseException) -> bool:
+    return psycopg_pool is not None and isinstance(exc, psycopg_pool.PoolTimeout)
+
+
+def is_connect_error(exc: BaseException) -> bool:
+    # psycopg reports a failed connect (refused, timed out, login refused) or a
+    # lost one without a SQLSTATE.
+    return isinstance(exc, psycopg.OperationalError)
 
 
 def _one_message(conn: Any, lock: LockStatement) -> str | None:
@@ -133,6 +200,30 @@ def sever_async(conn: Any) -> None:
         loop.remove_reader(fd)
         loop.remove_writer(fd)
     pgconn.finish()
+
+
+def read_notifications(conn: Any) -> None:
+    """Parse what arrived on an idle connection; notifications go to its notify
+    handlers, as in psycopg's own reads. A connection the server closed is found
+    closed by psycopg's next statement, which then raises as usual."""
+    pgconn = conn.pgconn
+    with contextlib.suppress(Exception):
+        pgconn.consume_input()
+    while (notify := pgconn.notifies()) is not None:
+        handler = pgconn.notify_handler
+        if handler is not None:
+            handler(notify)
+
+
+def purge_backlog(conn: Any, channel: str) -> None:
+    """psycopg 3.3 keeps notifications that arrive outside ``notifies()`` for a
+    later ``notifies()`` call: those of ``channel`` must not reach the
+    connection's next user."""
+    backlog = getattr(conn, "_notifies_backlog", None)
+    if backlog:
+        kept = [n for n in backlog if n.channel != channel]
+        backlog.clear()
+        backlog.extend(kept)
 
 
 def sever_sync(conn: Any) -> None:
@@ -255,6 +346,9 @@ class AsyncPsycopgSession(AsyncTxSession):
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
 
+    def driver_connection(self) -> Any:
+        return self.conn
+
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         return await guard_cancel(self.conn, self._run_autocommit(sql, params), grace=CANCEL_GRACE)
@@ -324,6 +418,9 @@ class SyncPsycopgSession(SyncTxSession):
 
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
+
+    def driver_connection(self) -> Any:
+        return self.conn
 
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None

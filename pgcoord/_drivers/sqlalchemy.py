@@ -23,21 +23,86 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransactio
 
 from .._queries import to_named
 from ..errors import UnsupportedConnection
+from .adapt import Adapter, driver_of, find_adapter
 from .base import ISOLATION_LEVELS, AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
+from .protocol import SessionSource
 
 log = logging.getLogger("pgcoord")
-
-ASYNC_TYPES = (AsyncEngine, AsyncConnection)
-SYNC_TYPES = (Engine, Connection)
-ENGINE_TYPES = (AsyncEngine, Engine)
-
 
 def named_params(params: tuple[Any, ...]) -> dict[str, Any]:
     return {f"p{i}": value for i, value in enumerate(params, start=1)}
 
 
-def _driver_module(driver_conn: Any) -> str:
-    return type(driver_conn).__module__.partition(".")[0]
+class SQLAlchemyAdapter(Adapter):
+    driver = "sqlalchemy"
+    __slots__ = ()
+
+    async def fetchval_on(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        result = await conn.execute(text(to_named(sql)), named_params(params))
+        return result.scalar() if result.returns_rows else None
+
+    def fetchval_on_sync(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        result = conn.execute(text(to_named(sql)), named_params(params))
+        return result.scalar() if result.returns_rows else None
+
+    def driver_connection(self, conn: Any) -> Any:
+        if self.is_pool:
+            return None
+        sync = getattr(conn, "sync_connection", conn)  # an AsyncConnection's Connection
+        if sync is None or getattr(sync, "invalidated", True) or getattr(sync, "closed", True):
+            return None
+        return sync.connection.driver_connection
+
+    def in_transaction(self, conn: Any) -> bool | None:
+        driver = self.driver_connection(conn)
+        found = None if driver is None else find_adapter(driver)
+        return None if found is None else found.in_transaction(driver)
+
+    def dedicated_source(self, pool: Any) -> SessionSource:
+        if not (self.is_pool and self.is_async):
+            return super().dedicated_source(pool)
+        from .sqlalchemy_dedicated import SQLAlchemyPoolSessions
+
+        return SQLAlchemyPoolSessions(pool)
+
+    def pool_capacity(self, source: Any) -> int | None:
+        from sqlalchemy.pool import AssertionPool, QueuePool, SingletonThreadPool, StaticPool
+
+        if not self.is_pool:
+            return None
+        pool = getattr(source, "sync_engine", source).pool
+        if isinstance(pool, StaticPool | AssertionPool | SingletonThreadPool):
+            return 1
+        if isinstance(pool, QueuePool):
+            # QueuePool keeps max_overflow only in this private attribute (-1:
+            # unbounded, also for pool_size=0); test_pool_capacity_of_each_pool_type
+            # fails if a SQLAlchemy version keeps it elsewhere. Unknown: no bound.
+            overflow = getattr(pool, "_max_overflow", None)
+            if isinstance(overflow, int) and overflow >= 0:
+                return int(pool.size()) + overflow
+        return None
+
+
+def classify(cls: type) -> Adapter | None:
+    for types, is_async, is_pool, session in (
+        ((AsyncEngine,), True, True, AsyncSQLAlchemySession),
+        ((AsyncConnection,), True, False, AsyncSQLAlchemySession),
+        ((Engine,), False, True, SyncSQLAlchemySession),
+        ((Connection,), False, False, SyncSQLAlchemySession),
+    ):
+        if issubclass(cls, types):
+            return SQLAlchemyAdapter(cls, is_async=is_async, is_pool=is_pool, session=session)
+    return None
+
+
+def is_pool_timeout(exc: BaseException) -> bool:
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    return isinstance(exc, PoolTimeout)
+
+
+def is_connect_error(exc: BaseException) -> bool:
+    return False  # the driver's own error is under it (``orig``), and is looked at there
 
 
 def asyncpg_adapter_protocol(adapter_cls: type) -> str | None:
@@ -151,8 +216,11 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         assert self.conn is not None
         return self.conn.in_transaction()
 
+    def driver_connection(self) -> Any:
+        return self._driver
+
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if _driver_module(self._driver) == "psycopg":
+        if driver_of(self._driver) == "psycopg":
             from . import psycopg as pmod
 
             return await pmod.guard_cancel(self._driver, self._run_autocommit(sql, params),
@@ -170,7 +238,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         assert self.conn is not None
         self._tx = await self.conn.begin()
         driver, adapter = self._driver, self._adapter
-        module = _driver_module(driver)
+        module = driver_of(driver)
         if module == "asyncpg":
             from . import asyncpg as amod
 
@@ -249,7 +317,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
 
     def sever(self) -> None:
         driver = self._driver
-        module = _driver_module(driver)
+        module = driver_of(driver)
         if module == "asyncpg":
             driver.terminate()
         elif module == "psycopg":
@@ -282,6 +350,9 @@ class SyncSQLAlchemySession(SyncTxSession):
         assert self.conn is not None
         return self.conn.in_transaction()
 
+    def driver_connection(self) -> Any:
+        return self._driver
+
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         with self.conn.begin():
@@ -294,7 +365,7 @@ class SyncSQLAlchemySession(SyncTxSession):
         self._tx = self.conn.begin()
         raw = self.conn.connection
         driver: Any = self._driver
-        if _driver_module(driver) == "psycopg":
+        if driver_of(driver) == "psycopg":
             from . import psycopg as pmod
 
             self._trip = pmod.SyncOneTrip(driver)
@@ -338,7 +409,7 @@ class SyncSQLAlchemySession(SyncTxSession):
             conn.close()
 
     def sever(self) -> None:
-        if _driver_module(self._driver) == "psycopg":
+        if driver_of(self._driver) == "psycopg":
             from . import psycopg as pmod
 
             pmod.sever_sync(self._driver)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from .._drivers import run_statement
+from .._drivers import driver_of, run_statement
 from .._queries import query
 from ..errors import UnsupportedConnection
 from .cron import Job
@@ -26,7 +26,7 @@ Owed = tuple[str, Any, Any, Any]
 def refuse_shared_connection(source: Any) -> None:
     """A SQLAlchemy engine whose pool hands one connection to every checkout is a
     bare connection in disguise: the scheduler's concurrent statements would meet on it."""
-    if type(source).__module__.partition(".")[0] != "sqlalchemy":
+    if driver_of(source) != "sqlalchemy":
         return
     from sqlalchemy.pool import AssertionPool, StaticPool
 

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from .._drivers.adapt import find_adapter
+from .._drivers.dsn import open_pool
 from ..errors import LockLost, UnsupportedConnection
 from ._portal import Portal, in_thread
 
@@ -135,14 +137,13 @@ def async_source(source: Any) -> tuple[Any, Callable[[], Awaitable[None]] | None
     twin opens it on the portal."""
     if isinstance(source, str):
         return ("dsn", source), None
-    module = type(source).__module__
-    if module.startswith("psycopg_pool"):
-        if type(source).__name__ != "ConnectionPool":
-            raise TypeError(f"a sync twin takes a psycopg ConnectionPool, not {type(source).__name__}")
-        return ("psycopg", source), None
-    if module.startswith("sqlalchemy"):
-        if type(source).__name__ != "Engine":
-            raise TypeError(f"a sync twin takes a SQLAlchemy Engine, not {type(source).__name__}")
+    adapter = find_adapter(source)
+    wanted = {"psycopg": "psycopg ConnectionPool", "sqlalchemy": "SQLAlchemy Engine"}
+    if adapter is not None and adapter.driver in wanted:
+        if adapter.is_async or not adapter.is_pool:
+            raise TypeError(f"a sync twin takes a {wanted[adapter.driver]}, not {type(source).__name__}")
+        if adapter.driver == "psycopg":
+            return ("psycopg", source), None
         driver = source.url.get_driver_name()
         if driver not in ("psycopg", "asyncpg"):
             raise UnsupportedConnection(
@@ -157,20 +158,9 @@ async def open_async_source(spec: tuple[str, Any]) -> tuple[Any, Callable[[], Aw
     """On the portal: open the async source ``async_source`` described."""
     kind, source = spec
     if kind == "dsn":
-        try:
-            if "://" not in source:
-                # libpq's key=value form (multi-host ones included): psycopg reads it,
-                # asyncpg does not.
-                raise ImportError
-            import asyncpg
-        except ImportError:
-            from psycopg_pool import AsyncConnectionPool
-
-            pool = AsyncConnectionPool(source, min_size=1, max_size=4, open=False)
-            await pool.open()
-            return pool, pool.close
-        apool = await asyncpg.create_pool(source, min_size=1, max_size=4)
-        return apool, apool.close
+        # The one DSN rule (asyncpg for a URL when installed, else psycopg), with a
+        # connect timeout for each host of a multi-host DSN.
+        return await open_pool(source, min_size=1, max_size=4)
     if kind == "psycopg":
         from psycopg_pool import AsyncConnectionPool
 

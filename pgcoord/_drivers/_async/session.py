@@ -1,20 +1,23 @@
-"""The transaction session that ``exclusive()`` and ``semaphore()`` use: one
-transaction on one connection, of a pool or engine or the caller's own.
+"""The transaction session that ``exclusive()``, ``semaphore()`` and a lease's
+statements use: one transaction on one connection, of a pool or engine or the
+caller's own.
 
-Each driver module implements it for its pool and connection types. Driver errors
-pass through unchanged; the caller maps them by SQLSTATE.
+A protocol: each driver module implements it for its pool and connection types
+(and names it as a base, so mypy checks that the class keeps it), and the
+features are written against it alone. Driver errors pass through unchanged; the
+caller maps them by SQLSTATE.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..base import LockStatement
 
 
-class AsyncTxSession(ABC):
+class AsyncTxSession(Protocol):
     #: The driver's own connection object handed to the body of the block.
     conn: Any
     #: True when the connection is checked out of a pool or engine (not the caller's own).
@@ -27,13 +30,16 @@ class AsyncTxSession(ABC):
     checkin_bounded_by_driver: bool = False
 
     @abstractmethod
-    def __init__(self, source: Any) -> None: ...
-
-    @abstractmethod
     async def checkout(self) -> Any: ...
 
     @abstractmethod
     def in_transaction(self) -> bool: ...
+
+    @abstractmethod
+    def driver_connection(self) -> Any:
+        """The driver's connection under ``conn`` once checked out: the asyncpg
+        ``Connection`` behind a pool's proxy, the DBAPI connection under a
+        SQLAlchemy one, ``conn`` itself for psycopg."""
 
     @abstractmethod
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:

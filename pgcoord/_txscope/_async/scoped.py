@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from ... import _errmap, metrics
 from ..._drivers import release_async, tx_session_async
@@ -61,8 +61,8 @@ class AsyncTxScoped(TxScoped):
     ) -> None:
         # Every way out ends in _end_async(): a rollback and a give-back bounded by
         # CLEANUP_TIMEOUT that leave the caller its own outcome.
-        session, self._session = self._session, None
-        assert isinstance(session, AsyncTxSession)
+        assert self._session is not None
+        session, self._session = cast(AsyncTxSession, self._session), None
         if self._joined:
             return  # what was taken belongs to the caller's transaction
         if exc_type is not None:

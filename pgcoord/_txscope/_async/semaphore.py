@@ -16,7 +16,7 @@ from ..._aio import CleanupTimeout
 from ..._drivers import bounded_async, release_async
 from ..._drivers.base import AsyncTxSession
 from ..._queries import query
-from ..._semwait import AsyncLaneConn, driver_connection
+from ..._semwait import AsyncLaneConn
 from .scoped import AsyncTxScoped
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class AsyncSemaphore(AsyncTxScoped):
             if not (request.must_wait and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
                 raise
         await session.rollback()
-        driver = driver_connection(session)
+        driver = session.driver_connection()
         if not AsyncLaneConn.can_wait_on(driver):
             await self._retry_async(session, deadline)  # a driver pgcoord cannot hear on
             return
@@ -173,7 +173,7 @@ class AsyncSemaphore(AsyncTxScoped):
     async def _wake_async(self, session: AsyncTxSession, rollback: bool) -> None:
         if rollback:
             await session.rollback()
-        driver = driver_connection(session)
+        driver = session.driver_connection()
         if AsyncLaneConn.can_wait_on(driver):  # one round trip, outside any transaction
             await AsyncLaneConn(driver, self.request.key).fetchval(
                 query("semaphore_wake"), self.request.key)

@@ -17,7 +17,7 @@ from ..._aio import CleanupTimeout
 from ..._drivers import bounded_sync, release_sync
 from ..._drivers.base import SyncTxSession
 from ..._queries import query
-from ..._semwait import SyncLaneConn, driver_connection
+from ..._semwait import SyncLaneConn
 from .scoped import SyncTxScoped
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class SyncSemaphore(SyncTxScoped):
             if not (request.must_wait and _errmap.sqlstate(exc) == _errmap.SQLSTATE_LOCK_BUSY):
                 raise
         session.rollback()
-        driver = driver_connection(session)
+        driver = session.driver_connection()
         if not SyncLaneConn.can_wait_on(driver):
             self._retry_sync(session, deadline)  # a driver pgcoord cannot hear on
             return
@@ -174,7 +174,7 @@ class SyncSemaphore(SyncTxScoped):
     def _wake_sync(self, session: SyncTxSession, rollback: bool) -> None:
         if rollback:
             session.rollback()
-        driver = driver_connection(session)
+        driver = session.driver_connection()
         if SyncLaneConn.can_wait_on(driver):  # one round trip, outside any transaction
             SyncLaneConn(driver, self.request.key).fetchval(
                 query("semaphore_wake"), self.request.key)

@@ -1,5 +1,6 @@
-"""A psycopg ``AsyncConnection`` as a ``HolderConnection``: its socket watched
-while idle, and cancellations that never stop the event loop."""
+"""A psycopg ``AsyncConnection`` as a ``DedicatedSession``: its socket watched
+while idle (so that its loss and its notifications are heard at once), and
+cancellations that never stop the event loop."""
 
 from __future__ import annotations
 
@@ -11,22 +12,21 @@ import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from ._aio import consume_result
-from ._holderconn import HolderConnection, Lender
-from ._queries import to_pyformat
+import psycopg
+from psycopg.pq import ConnStatus
+
+from .._aio import consume_result
+from .._queries import to_pyformat
+from ..errors import PoolExhausted
+from .protocol import LEND_TIMEOUT, DedicatedSession, Lender, SessionSource, Unlisten
+from .psycopg import CANCEL_GRACE, GUARD_CANCEL, purge_backlog
 
 log = logging.getLogger("pgcoord.session")
 
 T = TypeVar("T")
 
-# How long a cancelled psycopg < 3.2 statement may take to end by itself before
-# its connection is closed under it (see PsycopgConnection._run): long enough for the
-# reply to a short statement on a healthy server, short enough that a lock wait
-# someone cancelled does not linger.
-CANCEL_GRACE = 0.25
 
-
-class PsycopgConnection(HolderConnection):
+class PsycopgDedicated(DedicatedSession):
     """A psycopg ``AsyncConnection``, with its socket watched while it is idle.
 
     psycopg reads from the socket only while a statement runs, so on its own it
@@ -44,11 +44,7 @@ class PsycopgConnection(HolderConnection):
     """
 
     def __init__(self, conn: Any, lender: Lender | None) -> None:
-        from psycopg.pq import ConnStatus
-
         self.conn = conn
-        from ._drivers.psycopg import GUARD_CANCEL
-
         self._blocking_cancel = GUARD_CANCEL  # see _drivers.psycopg: psycopg before 3.3
         self._lender = lender
         self._ok = ConnStatus.OK
@@ -176,8 +172,6 @@ class PsycopgConnection(HolderConnection):
             self._op_lock = asyncio.Lock()
         async with self._op_lock:
             if self.conn.pgconn.status != self._ok:
-                import psycopg
-
                 raise psycopg.OperationalError("the connection is closed")
             self._enter()
             try:
@@ -210,6 +204,25 @@ class PsycopgConnection(HolderConnection):
                     task.cancel()
                 task.add_done_callback(consume_result)
             raise
+
+    async def listen(self, channel: str, callback: Callable[[str], None]) -> Unlisten:
+        # psycopg hands notifications to its notify handlers as it reads them:
+        # during a statement, or from the idle watch (_readable).
+        conn = self.conn
+
+        def on_notify(notify: Any) -> None:
+            if notify.channel == channel:
+                callback(notify.payload)
+
+        conn.add_notify_handler(on_notify)
+        await self.execute(f'LISTEN "{channel}"')
+
+        async def unlisten(*, lost: bool = False) -> None:
+            with contextlib.suppress(ValueError):
+                conn.remove_notify_handler(on_notify)
+            purge_backlog(conn, channel)
+
+        return unlisten
 
     def announced_pid(self) -> int | None:
         return int(self.conn.info.backend_pid)
@@ -279,3 +292,47 @@ class PsycopgConnection(HolderConnection):
             await self.conn.close()
         else:
             await self._lender.give_back(self.conn)
+
+
+class _PsycopgLender(Lender):
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    async def give_back(self, driver_conn: Any) -> None:
+        await self.pool.putconn(driver_conn)
+
+    async def discard(self, driver_conn: Any) -> None:
+        # putconn() sees a closed connection, drops it and opens a replacement.
+        await self.pool.putconn(driver_conn)
+
+
+class PsycopgPoolSessions(SessionSource):
+    """Dedicated sessions borrowed from a psycopg ``AsyncConnectionPool``."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._lender = _PsycopgLender(pool)
+
+    async def open(self) -> DedicatedSession:
+        import psycopg_pool  # not at the top: psycopg works without psycopg-pool
+
+        try:
+            conn = await self.pool.getconn()
+        except psycopg_pool.PoolTimeout as exc:
+            raise PoolExhausted(
+                f"the psycopg pool lent no connection to LockHolder within its timeout: {exc}"
+            ) from exc
+        return PsycopgDedicated(conn, self._lender)
+
+    async def open_now(self) -> DedicatedSession | None:
+        import psycopg_pool
+
+        pool = self.pool
+        stats = pool.get_stats()
+        if stats.get("pool_available", 0) == 0 and stats.get("pool_size", 0) >= pool.max_size:
+            return None
+        try:
+            conn = await pool.getconn(timeout=LEND_TIMEOUT)
+        except psycopg_pool.PoolTimeout:
+            return None
+        return PsycopgDedicated(conn, self._lender)
