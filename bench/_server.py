@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ async def replica(dsn: str, name: str, ttl: float, label: str, baseline: bool) -
     import asyncpg
 
     import pgcoord
-    from pgcoord._queries import query
+    from pgcoord._core.queries import query
 
     conn = await asyncpg.connect(dsn)
 

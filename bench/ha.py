@@ -78,7 +78,7 @@ def main() -> None:
         runs.append(one_run(args.ttl))
         print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in runs[-1].items()),
               file=sys.stderr, flush=True)
-    from pgcoord._embedded import find_bindir
+    from pgcoord._core.embedded import find_bindir
 
     print(f"\nPostgreSQL failover, {args.runs} runs, ttl {args.ttl:g} s, server {find_bindir()}")
     print(f"{'from the primary killed to':<46} {'median':>8} {'max':>8} {'vs promotion':>13}")

@@ -42,7 +42,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import pgcoord
 from bench._latency import DelayingProxy
 from bench._server import bench_database
-from pgcoord._embedded import find_bindir
+from pgcoord._core.embedded import find_bindir
 
 LOCK_SQL = "select pg_advisory_xact_lock({k})"
 

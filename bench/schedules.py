@@ -43,7 +43,7 @@ async def replica(dsn: str, handler: str, out: str) -> None:
 
     import pgcoord.scheduler.finisher as finisher_module
     import pgcoord.scheduler.store as store_module
-    from pgcoord._queries import _all
+    from pgcoord._core.queries import _all
     from pgcoord.scheduler import Scheduler, Slot
 
     names = {sql: name for name, sql in _all().items()}

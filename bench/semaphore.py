@@ -35,7 +35,7 @@ import psycopg_pool
 
 import pgcoord
 from bench._server import bench_database
-from pgcoord._keys import semaphore_key
+from pgcoord.keys import semaphore_key
 
 
 def pct(values: list[float], q: float) -> float:

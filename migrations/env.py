@@ -18,12 +18,7 @@ import os
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool, text
 
-from pgcoord.migrations import (
-    MIGRATE_LOCK_KEY,
-    SCHEMA,
-    VERSION_TABLE,
-    sqlalchemy_url,
-)
+from pgcoord.migrations import MIGRATE_LOCK_KEY, SCHEMA, VERSION_TABLE, sqlalchemy_url
 
 config = context.config
 

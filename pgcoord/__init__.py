@@ -4,7 +4,7 @@ Importing pgcoord imports no database driver; each feature loads the driver of
 the object it is given.
 """
 
-from ._keys import lock_key
+from ._core.version import __version__
 from .elector import Elector, LeaderChanged, request_resign
 from .errors import (
     Deadlock,
@@ -19,16 +19,14 @@ from .errors import (
     StaleFence,
     UnsupportedConnection,
 )
+from .holder import HeldLock, LockHolder
+from .keys import lock_key
 from .leases import Lease, check_fence
-from .locks import ExclusiveLock, exclusive
+from .locks import ExclusiveLock, Semaphore, exclusive, semaphore
 from .member import Member, MemberInfo, MemberJoined, MemberLeft
 from .partitions import Partition, Partitions
 from .scheduler import Scheduler, Slot
-from .schedules import ScheduleInfo
-from .semaphores import Semaphore, semaphore
-from .session import HeldLock, LockHolder
-
-__version__ = "0.1.0"
+from .scheduler.schedules import ScheduleInfo
 
 __all__ = [
     "Deadlock",

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
-from ._keys import lock_key
-from ._resources import migrations_dir, read_sql
+from ._core.resources import migrations_dir, read_sql
 from .errors import UnsupportedConnection
+from .keys import lock_key
 
 if TYPE_CHECKING:
     from alembic.config import Config

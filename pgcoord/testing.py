@@ -44,8 +44,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ._holderconn import DsnSource
-from ._queries import query
+from ._core.queries import query
+from ._drivers.dedicated import DsnSource
 
 __all__ = [
     "OUTSIDER",
@@ -95,9 +95,9 @@ def _unwrap(obj: Any) -> Any:
 
 
 def _backend_pid(obj: Any) -> int:
-    from .elector import Elector
-    from .member import Member
-    from .session import LockHolder
+    from .elector.elector import Elector
+    from .holder.holder import LockHolder
+    from .member.member import Member
 
     obj = _unwrap(obj)
     pid: Any = None
@@ -146,8 +146,8 @@ def pause_past_ttl(obj: Any, *, factor: float = 1.2) -> float:
     or ``Member`` (or a twin) and for its lease to expire: ``factor`` x the longer of
     its ttl and, for an elector on a member, 0.9 x the member's ttl (the member's
     ``idle_session_timeout``). Returns the seconds paused."""
-    from .elector import Elector
-    from .member import Member
+    from .elector.elector import Elector
+    from .member.member import Member
 
     inner = _unwrap(obj)
     if not isinstance(inner, Elector | Member):

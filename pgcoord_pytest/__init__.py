@@ -51,7 +51,7 @@ def pgcoord_server() -> Iterator[dict[str, str]]:
     if external := os.environ.get(ENV_DSN):
         yield _params(external)
         return
-    from pgcoord._embedded import EmbeddedServer
+    from pgcoord._core.embedded import EmbeddedServer
 
     server = EmbeddedServer().start()
     try:

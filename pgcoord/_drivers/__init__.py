@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _errmap
+from .._core import errmap as _errmap
 from ..errors import UnsupportedConnection
 from .adapt import Adapter as Adapter
 from .adapt import adapt as adapt

@@ -15,7 +15,7 @@ import asyncpg
 import asyncpg.pool
 from asyncpg.transaction import Transaction, TransactionState
 
-from .. import _aio
+from .._core import aio as _aio
 from .adapt import Adapter
 from .base import AsyncTxSession, LockStatement, begin_and_lock
 from .protocol import LEND_TIMEOUT, DedicatedSession, Lender, SessionSource, Unlisten

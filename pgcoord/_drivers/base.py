@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .._queries import query
+from .._core.queries import query
 from ._async.session import AsyncTxSession as AsyncTxSession
 from ._sync.session import SyncTxSession as SyncTxSession
 

@@ -217,7 +217,7 @@ def fetch_rows(dsn: str, sql: str, params: tuple[Any, ...] = (), *, application_
     if choose_driver(dsn, prefer=prefer) == "psycopg":
         import psycopg
 
-        from .._queries import to_pyformat
+        from .._core.queries import to_pyformat
 
         with psycopg.connect(dsn, autocommit=True, application_name=application_name,
                              **psycopg_connect_timeout(dsn, connect_timeout)) as conn:

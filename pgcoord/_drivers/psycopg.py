@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
 
-from .._aio import consume_result
-from .._queries import to_pyformat
+from .._core.aio import consume_result
+from .._core.queries import to_pyformat
 from .adapt import Adapter
 from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
 from .protocol import DedicatedSession, Lender, SessionSource

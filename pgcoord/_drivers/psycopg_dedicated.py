@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import ConnStatus
 
-from .._aio import consume_result
-from .._queries import to_pyformat
+from .._core.aio import consume_result
+from .._core.queries import to_pyformat
 from ..errors import PoolExhausted
 from .protocol import LEND_TIMEOUT, DedicatedSession, Lender, SessionSource, Unlisten
 from .psycopg import CANCEL_GRACE, GUARD_CANCEL, purge_backlog

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
-from .. import _aio
+from .._core import aio as _aio
 from .base import AsyncTxSession, SyncTxSession
 
 log = logging.getLogger("pgcoord")

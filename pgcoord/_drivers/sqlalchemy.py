@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncTransaction
 
-from .._queries import to_named
+from .._core.queries import to_named
 from ..errors import UnsupportedConnection
 from .adapt import Adapter, driver_of, find_adapter
 from .base import ISOLATION_LEVELS, AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock

@@ -15,9 +15,9 @@ import logging
 from collections import Counter
 from typing import Any
 
-from .. import metrics
+from .._core.queries import query
 from .._drivers import run_statement
-from .._queries import query
+from ..observability import metrics
 from .cron import check_expr, check_zone, previous_slots
 from .runner import as_utc
 

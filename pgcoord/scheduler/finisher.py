@@ -13,9 +13,9 @@ import asyncio
 import datetime as dt
 from typing import Any
 
-from .._aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from .._core.aio import CLEANUP_TIMEOUT, finish_despite_cancel
+from .._core.queries import query
 from .._drivers import run_statement
-from .._queries import query
 
 FINISH_BATCH = 2000
 

@@ -23,14 +23,15 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-# pgcoord.schedules imports scheduler.cron: read from it at call time only, so that
-# either may be imported first.
-from .. import schedules as _schedules
-from .._aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
+from .._core.aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
 from ..errors import PgcoordError, SchemaMissing
 from . import plan
+
+# pgcoord.schedules imports scheduler.cron: read from it at call time only, so that
+# either may be imported first.
+from . import schedules as _schedules
 from .alerts import FailingWatch
 from .claims import Claims
 from .cron import Job, seconds
@@ -41,8 +42,8 @@ from .runs import Runs
 from .store import Store, refuse_shared_connection
 
 if TYPE_CHECKING:
-    from ..member import Member
-    from ..schedules import ScheduleInfo
+    from ..member.member import Member
+    from .schedules import ScheduleInfo
 
 __all__ = ["Scheduler"]
 

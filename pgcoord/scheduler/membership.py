@@ -14,13 +14,13 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .. import schedules as _schedules  # at call time only: it imports scheduler.cron
-from .._aio import consume_result
+from .._core.aio import consume_result
+from . import schedules as _schedules
 from .runs import Runs
 from .store import Store
 
 if TYPE_CHECKING:
-    from ..member import Member
+    from ..member.member import Member
 
 log = logging.getLogger("pgcoord.scheduler")
 

@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from .._aio import backoff_delay, jittered
+from .._core.aio import backoff_delay, jittered
 from .cron import Job, next_slot, slots_between
 
 UTC = dt.UTC

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .. import schedules as _schedules  # at call time only: it imports scheduler.cron
 from ..errors import UnsupportedConnection
+from . import schedules as _schedules
 from .cron import Handler, Job, check_expr, check_zone, seconds
 from .runner import Slot, as_utc
 

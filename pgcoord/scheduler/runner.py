@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import metrics
-from .._aio import (
+from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
     cancel_until_done,
@@ -30,11 +29,12 @@ from .._aio import (
     finish_despite_cancel,
     keep_cancelling,
 )
+from .._core.queries import query
 from .._drivers import run_statement
-from .._keys import lock_key
-from .._queries import query
-from .._tenure import trusted_until
-from ..locks import exclusive
+from ..keys import lock_key
+from ..leases.tenure import trusted_until
+from ..locks.advisory import exclusive
+from ..observability import metrics
 from .cron import Job
 from .finisher import Finisher
 

@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 from typing import Any
 
-from .._aio import CLEANUP_TIMEOUT, CleanupTimeout, finish_despite_cancel
+from .._core.aio import CLEANUP_TIMEOUT, CleanupTimeout, finish_despite_cancel
 from .cron import Job
 from .finisher import Finisher
 from .runner import Claim, Run, Slot, SlotRunner

@@ -12,8 +12,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from .._core.queries import query
 from .._drivers import driver_of, run_statement
-from .._queries import query
 from ..errors import UnsupportedConnection
 from .cron import Job
 from .plan import Entry

@@ -121,7 +121,7 @@ class Member(_Twin):
     ``watch()`` is an iterator that blocks for the next change."""
 
     def __init__(self, dsn: str, **options: Any) -> None:
-        from ..member import Member as AsyncMember
+        from ..member.member import Member as AsyncMember
 
         self._portal = portal()
         self._async = _on_portal(self._portal, lambda: AsyncMember(dsn, **options))
@@ -145,7 +145,7 @@ class LockHolder(_Twin):
     block raises ``LockLost``; a long block should look at ``held.lost`` now and then."""
 
     def __init__(self, source: str | Member, **options: Any) -> None:
-        from ..session import LockHolder as AsyncHolder
+        from ..holder.holder import LockHolder as AsyncHolder
 
         self._portal = portal()
         inner = source._async if isinstance(source, Member) else source
@@ -196,7 +196,7 @@ class Lease(_Pooled):
 
     def __init__(self, source: Any, name: str, *, ttl: float, member: Member | None = None,
                  **options: Any) -> None:
-        from ..leases import Lease as AsyncLease
+        from ..leases.lease import Lease as AsyncLease
 
         self._portal = portal()
         pool = self._open_pool(source)
@@ -237,7 +237,7 @@ class Elector(_Twin):
     can cancel a thread; the next term waits for it). ``stop()`` from another thread."""
 
     def __init__(self, source: str | Member, name: str, **options: Any) -> None:
-        from ..elector import Elector as AsyncElector
+        from ..elector.elector import Elector as AsyncElector
 
         self._portal = portal()
         inner = source._async if isinstance(source, Member) else source

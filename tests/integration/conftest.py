@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pytest_postgresql.janitor import DatabaseJanitor
 
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 
 import psycopg
 
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 from .proxy import FreezableProxy
 

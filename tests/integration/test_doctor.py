@@ -18,10 +18,10 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
-from pgcoord._resources import read_sql
-from pgcoord.cli import main
-from pgcoord.doctor import Check, run_checks
+from pgcoord._core.embedded import EmbeddedServer
+from pgcoord._core.resources import read_sql
+from pgcoord.cli.main import main
+from pgcoord.cli.doctor import Check, run_checks
 
 from .pgbouncer import PgBouncer
 

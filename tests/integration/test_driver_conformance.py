@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import pgcoord
-import pgcoord.semaphores
+import pgcoord.locks.semaphores
 from pgcoord._drivers import adapt, driver_of
 from pgcoord._drivers.capacity import pool_capacity
 
@@ -313,7 +313,7 @@ async def test_a_semaphore_waiter_gets_the_slot_another_session_frees(
 ) -> None:
     """The wait LISTENs on the source's own driver connection (asyncpg's listener,
     psycopg's notify handler and socket watch, also under SQLAlchemy)."""
-    monkeypatch.setattr(pgcoord.semaphores, "SEMAPHORE_RECHECK", 60.0)
+    monkeypatch.setattr(pgcoord.locks.semaphores, "SEMAPHORE_RECHECK", 60.0)
     name = unique("conformance-sem")
     held, release = threading.Event(), threading.Event()
 

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 REPLICA = str(Path(__file__).with_name("elector_replica.py"))
 

@@ -25,7 +25,7 @@ import pytest
 from sqlalchemy import event
 
 import pgcoord
-from pgcoord import _aio
+from pgcoord._core import aio as _aio
 from pgcoord._drivers import run_statement
 
 from .conftest import advisory_locks, sql, unique

@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import asyncpg as sa_asyncpg
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
-from pgcoord import _aio
+from pgcoord._core import aio as _aio
 from pgcoord._drivers import asyncpg as asyncpg_adapter
 from pgcoord._drivers import sqlalchemy as sa_adapter
 

@@ -21,7 +21,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord.doctor import Check, run_checks
+from pgcoord.cli.doctor import Check, run_checks
 
 from .ha import Event, Fleet, StandbyPair
 

@@ -21,7 +21,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord.doctor import run_checks
+from pgcoord.cli.doctor import run_checks
 
 from .ha import StandbyPair
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import advisory_locks
 from .converted_cancel import cancelling_after_loss

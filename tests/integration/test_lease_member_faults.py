@@ -21,7 +21,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import sql, unique
 

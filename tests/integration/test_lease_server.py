@@ -18,9 +18,9 @@ import psycopg
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
-from pgcoord._queries import query
-from pgcoord._resources import read_sql
+from pgcoord._core.embedded import EmbeddedServer
+from pgcoord._core.queries import query
+from pgcoord._core.resources import read_sql
 
 from .conftest import Server, sql, unique
 

@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord import leases
-from pgcoord._embedded import EmbeddedServer
+from pgcoord.leases import lease as leases
+from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import sql, unique
 from .sources import APP, ASYNC_POOLS, open_async

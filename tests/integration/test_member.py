@@ -18,7 +18,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord.member import NameTaken
+from pgcoord.member.member import NameTaken
 
 from .conftest import sql
 
@@ -295,7 +295,7 @@ async def test_the_ring_spans_groups_so_a_lone_member_s_death_is_still_told(dsn:
 
 @pytest.fixture
 def own_server() -> Iterator[object]:
-    from pgcoord._embedded import EmbeddedServer
+    from pgcoord._core.embedded import EmbeddedServer
 
     with EmbeddedServer() as server:
         pgcoord.migrations.upgrade(server.dsn)

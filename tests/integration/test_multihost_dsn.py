@@ -13,7 +13,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord.cli import main
+from pgcoord.cli.main import main
 
 from .conftest import sql, unique
 

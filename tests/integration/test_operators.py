@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 import pgcoord
-from pgcoord._resources import read_sql
+from pgcoord._core.resources import read_sql
 
 from .conftest import Server
 

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 import pgcoord
-from pgcoord._assignment import balanced
+from pgcoord.partitions.assignment import balanced
 
 from .conftest import advisory_locks, sql
 from .converted_cancel import Converting
@@ -551,7 +551,7 @@ async def test_behind_a_transaction_mode_pooler_partitions_refuse(dsn: str) -> N
 
 
 async def test_an_own_that_fails_is_started_again_while_its_part_stays_owned(dsn: str) -> None:
-    import pgcoord.partitions as partitions_module
+    import pgcoord.partitions.partitions as partitions_module
 
     calls: list[int] = []
 
@@ -584,7 +584,7 @@ async def test_an_own_that_takes_its_cancellation_for_an_error_is_stopped(
     does when the connection breaks during a cancelled statement, as when the server
     goes). own() that retries on errors is cancelled again until it ends; one that
     raises it is not started again. Either way it ends at once, not never."""
-    import pgcoord.partitions as partitions_module
+    import pgcoord.partitions.partitions as partitions_module
 
     own = Converting(retries=fails_how == "retries")
     fences: list[int] = []

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
-from pgcoord._holderconn import DsnSource
+from pgcoord._drivers.dedicated import DsnSource
 
 from .conftest import advisory_locks, sql
 from .proxy import FreezableProxy

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import pgcoord.migrations
-from pgcoord._embedded import EmbeddedServer
+from pgcoord._core.embedded import EmbeddedServer
 from pgcoord.scheduler import Scheduler, Slot
 
 from .conftest import sql, unique

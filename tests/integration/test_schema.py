@@ -14,7 +14,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations as migrations
-from pgcoord._embedded import find_bindir
+from pgcoord._core.embedded import find_bindir
 
 from .conftest import Server
 

@@ -18,9 +18,9 @@ import psycopg
 import pytest
 
 import pgcoord
-import pgcoord._holdersemaphore
-import pgcoord.semaphores
-from pgcoord._keys import semaphore_key
+import pgcoord.holder.semaphore
+import pgcoord.locks.semaphores
+from pgcoord.keys import semaphore_key
 
 from .conftest import sql, unique
 from .sources import ASYNC_CONNS, ASYNC_POOLS, SYNC_CONNS, SYNC_POOLS, apid, open_async, open_sync
@@ -59,8 +59,8 @@ async def _wait_until(check: Any, within: float = 5.0) -> None:
 def no_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
     """Waiters in this process retry only when notified: a wake-up proves the
     notification, not the crash-path recheck."""
-    monkeypatch.setattr(pgcoord.semaphores, "SEMAPHORE_RECHECK", 60.0)
-    monkeypatch.setattr(pgcoord._holdersemaphore, "SEMAPHORE_RECHECK", 60.0)
+    monkeypatch.setattr(pgcoord.locks.semaphores, "SEMAPHORE_RECHECK", 60.0)
+    monkeypatch.setattr(pgcoord.holder.semaphore, "SEMAPHORE_RECHECK", 60.0)
 
 
 # -- keys and arguments -------------------------------------------------------------
@@ -551,7 +551,7 @@ def test_a_name_hashing_to_the_member_alive_namespace_moves_next_to_it(
     """The one namespace that is Member's alive locks is never a semaphore's: a
     name whose hash lands there is moved to the value below, in Python and in SQL
     (no real name is known to land there, so the hash is replaced for the test)."""
-    from pgcoord import _keys
+    from pgcoord import keys as _keys
 
     alive = int(sql(dsn, "select pgcoord.member_alive_ns()")[0][0])  # type: ignore[call-overload]
     assert alive == _keys.MEMBER_ALIVE_NS
@@ -1003,14 +1003,14 @@ async def test_a_wait_cancelled_after_its_lane_was_adopted_wakes_the_next(
     which let go of the session-level lane) frees the lane with its rollback:
     the next waiter is told."""
     name = unique("sem-adopt-cancel")
-    real_adopt = pgcoord.semaphores.SemaphoreRequest.adopt
+    real_adopt = pgcoord.locks.semaphores.SemaphoreRequest.adopt
 
     def slow_adopt(self: Any, lane: int) -> Any:
         stmt = real_adopt(self, lane)
         sql_text = stmt.bound.rstrip().rstrip(";") + ", pg_catalog.pg_sleep(2)"
         return type(stmt)(sql_text, sql_text, ())
 
-    monkeypatch.setattr(pgcoord.semaphores.SemaphoreRequest, "adopt", slow_adopt)
+    monkeypatch.setattr(pgcoord.locks.semaphores.SemaphoreRequest, "adopt", slow_adopt)
     key = semaphore_key(name)
     async with open_async("asyncpg-conn", dsn, size=1) as first, \
             open_async("psycopg-conn", dsn, size=1) as second:
@@ -1026,7 +1026,7 @@ async def test_a_wait_cancelled_after_its_lane_was_adopted_wakes_the_next(
             await _wait_until(lambda: bool(sql(
                 dsn, "select 1 from pg_stat_activity where query like %s and state = 'active'",
                 "%semaphore_adopt_xact%pg_sleep(2)%")))
-            monkeypatch.setattr(pgcoord.semaphores.SemaphoreRequest, "adopt", real_adopt)
+            monkeypatch.setattr(pgcoord.locks.semaphores.SemaphoreRequest, "adopt", real_adopt)
             second_waiter = asyncio.create_task(_hold_once(second, name))
             await _wait_until(lambda: sorted(g for _, _, g in _lanes(dsn, name)) == [False, True])
             waiter.cancel()
@@ -1045,7 +1045,7 @@ async def test_a_holder_try_cancelled_by_the_server_leaves_no_lane(
     took a lane: the session locks survive the error, so pgcoord lets go of the
     lane it never recorded instead of keeping it for the holder's lifetime."""
     name = unique("sem-57014")
-    real_query = pgcoord._holdersemaphore.query
+    real_query = pgcoord.holder.semaphore.query
 
     def slow_query(which: str) -> str:
         if which != "semaphore_try_session":
@@ -1059,11 +1059,11 @@ async def test_a_holder_try_cancelled_by_the_server_leaves_no_lane(
             pass
         assert holder._main is not None
         await holder._main.call("SET statement_timeout = '200ms'")
-        monkeypatch.setattr(pgcoord._holdersemaphore, "query", slow_query)
+        monkeypatch.setattr(pgcoord.holder.semaphore, "query", slow_query)
         with pytest.raises(Exception, match="(?i)cancel"):
             async with holder.semaphore(name, limit=2, wait=False):
                 pass
-        monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
+        monkeypatch.setattr(pgcoord.holder.semaphore, "query", real_query)
         await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 3)
 
 
@@ -1075,7 +1075,7 @@ async def test_a_wait_failing_after_it_got_its_lane_forgets_the_lane(
     make any later user of that connection in this process skip the lane."""
     name = unique("sem-stale")
     key = semaphore_key(name)
-    real_listen = pgcoord._holdersemaphore._listen
+    real_listen = pgcoord.holder.semaphore._listen
 
     async def failing_listen(carrier: Any, callback: Any) -> Any:
         stop = await real_listen(carrier, callback)
@@ -1090,7 +1090,7 @@ async def test_a_wait_failing_after_it_got_its_lane_forgets_the_lane(
 
         return failing_stop
 
-    monkeypatch.setattr(pgcoord._holdersemaphore, "_listen", failing_listen)
+    monkeypatch.setattr(pgcoord.holder.semaphore, "_listen", failing_listen)
     blocker = await asyncpg.connect(dsn)
     try:
         async with pgcoord.LockHolder(dsn) as holder:
@@ -1103,7 +1103,7 @@ async def test_a_wait_failing_after_it_got_its_lane_forgets_the_lane(
             await blocker.fetchval("select pgcoord.semaphore_wake($1)", key)
             with pytest.raises(RuntimeError, match="stop failed"):
                 await asyncio.wait_for(waiter, 5)
-            assert not [lanes for lanes in pgcoord._holdersemaphore._held_lanes.values()
+            assert not [lanes for lanes in pgcoord.holder.semaphore._held_lanes.values()
                         if any(k == key for k, _ in lanes)]
             await _wait_until(lambda: _semaphore_locks(dsn, name) == 0)
     finally:
@@ -1117,7 +1117,7 @@ async def test_a_member_try_that_overruns_after_taking_a_lane_leaves_none(
     took a lane, then sleeps) gives the holder LockLost; the member's session
     lives on, so the lane it took is found and released there afterwards."""
     name = unique("sem-try-overrun")
-    real_query = pgcoord._holdersemaphore.query
+    real_query = pgcoord.holder.semaphore.query
 
     def slow_query(which: str) -> str:
         if which != "semaphore_try_session":
@@ -1131,11 +1131,11 @@ async def test_a_member_try_that_overruns_after_taking_a_lane_leaves_none(
         holder._cleanup_bound = 0.3
         async with holder.semaphore(name, limit=1, wait=False):  # records the name
             pass
-        monkeypatch.setattr(pgcoord._holdersemaphore, "query", slow_query)
+        monkeypatch.setattr(pgcoord.holder.semaphore, "query", slow_query)
         with pytest.raises(pgcoord.LockLost):
             async with holder.semaphore(name, limit=1, wait=False):
                 pass
-        monkeypatch.setattr(pgcoord._holdersemaphore, "query", real_query)
+        monkeypatch.setattr(pgcoord.holder.semaphore, "query", real_query)
         await _wait_until(lambda: _semaphore_locks(dsn, name) == 0, 5)
         assert member.has_session
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pgcoord._aio import CleanupTimeout, finish_despite_cancel
+from pgcoord._core.aio import CleanupTimeout, finish_despite_cancel
 
 
 async def test_a_cleanup_that_never_suspends_returns_its_value() -> None:
@@ -79,7 +79,7 @@ def test_the_inline_first_step_protocol_holds_on_this_interpreter() -> None:
     # falls back to a task per cleanup; this test says so loudly.
     import sys
 
-    from pgcoord import _aio
+    from pgcoord._core import aio as _aio
 
     assert _aio.INLINE_FIRST_STEP is (sys.version_info < (3, 12))
 

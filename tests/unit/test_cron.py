@@ -9,7 +9,14 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from pgcoord.scheduler.cron import Job, check_expr, check_zone, next_slot, previous_slots, slots_between
+from pgcoord.scheduler.cron import (
+    Job,
+    check_expr,
+    check_zone,
+    next_slot,
+    previous_slots,
+    slots_between,
+)
 
 UTC = dt.UTC
 PARIS = ZoneInfo("Europe/Paris")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from pgcoord import metrics
+from pgcoord.observability import metrics
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "docs" / "dashboards"
 _METRIC = re.compile(r"\bpgcoord_[a-z_]+")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgcoord.doctor import (
+from pgcoord.cli.doctor import (
     Check,
     check_replication,
     check_version,
@@ -53,12 +53,12 @@ def test_a_doctor_that_cannot_run_exits_2_not_1(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """An error escaping the checks (a bug, an environment doctor did not foresee)
     must not look like a warning (1)."""
-    import pgcoord.doctor
-    from pgcoord.cli import main
+    import pgcoord.cli.doctor
+    from pgcoord.cli.main import main
 
     def broken(dsn: str, **options: object) -> list[Check]:
         raise RuntimeError("something doctor did not foresee")
 
-    monkeypatch.setattr(pgcoord.doctor, "run_checks", broken)
+    monkeypatch.setattr(pgcoord.cli.doctor, "run_checks", broken)
     assert main(["doctor", "--dsn", "postgresql://u@db.invalid/app"]) == 2
     assert "something doctor did not foresee" in capsys.readouterr().err

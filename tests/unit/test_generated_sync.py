@@ -36,26 +36,26 @@ def test_the_transaction_scope_sync_code_is_generated() -> None:
     generated = {tool.target(p).relative_to(ROOT).as_posix() for p in tool.sources()}
     assert {
         "pgcoord/_drivers/_sync/session.py",
-        "pgcoord/_txscope/_sync/scoped.py",
-        "pgcoord/_txscope/_sync/exclusive.py",
-        "pgcoord/_txscope/_sync/semaphore.py",
-        "pgcoord/_txscope/_sync/fence.py",
+        "pgcoord/locks/txscope/_sync/scoped.py",
+        "pgcoord/locks/txscope/_sync/exclusive.py",
+        "pgcoord/locks/txscope/_sync/semaphore.py",
+        "pgcoord/locks/txscope/_sync/fence.py",
     } <= generated
 
 
 def test_the_check_finds_a_hand_edit_and_an_orphan(tmp_path: Path) -> None:
     tool = _tool()
     package = tmp_path / "pgcoord"
-    shutil.copytree(ROOT / "pgcoord" / "_txscope", package / "_txscope")
+    shutil.copytree(ROOT / "pgcoord" / "locks" / "txscope", package / "locks" / "txscope")
     assert tool.stale(package, tmp_path) == []
 
-    edited = package / "_txscope" / "_sync" / "exclusive.py"
+    edited = package / "locks" / "txscope" / "_sync" / "exclusive.py"
     edited.write_text(edited.read_text(encoding="utf-8") + "# a hand edit\n", encoding="utf-8")
     (found, diff), = tool.stale(package, tmp_path)
     assert found == edited and "-# a hand edit" in diff
 
-    (package / "_txscope" / "_async" / "fence.py").unlink()
+    (package / "locks" / "txscope" / "_async" / "fence.py").unlink()
     assert {p.name for p, _ in tool.stale(package, tmp_path)} == {"exclusive.py", "fence.py"}
     assert {p.name for p in tool.write(package, tmp_path)} == {"exclusive.py", "fence.py"}
     assert tool.stale(package, tmp_path) == []
-    assert not (package / "_txscope" / "_sync" / "fence.py").exists()
+    assert not (package / "locks" / "txscope" / "_sync" / "fence.py").exists()

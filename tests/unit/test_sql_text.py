@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pgcoord import _queries
-from pgcoord._resources import read_sql
+from pgcoord._core import queries as _queries
+from pgcoord._core.resources import read_sql
 from pgcoord.migrations import split_statements
 
 
@@ -49,7 +49,7 @@ def test_splitter_keeps_dollar_quoted_bodies_strings_and_comments_intact() -> No
 
 
 def test_migration_sql_avoids_characters_drivers_treat_as_placeholders() -> None:
-    from pgcoord._resources import sql_dir
+    from pgcoord._core.resources import sql_dir
 
     for path in sql_dir().glob("*.sql"):
         if path.name == "queries.sql":

@@ -1,0 +1,100 @@
+"""Mapping driver errors to pgcoord's, by SQLSTATE and never by message text."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+from ..errors import PgcoordError, SchemaMissing
+
+# Every SQLSTATE pgcoord raises or reads is named here, once.
+# pgcoord's own (sql/): PC001 advisory_try, PC002 check_fence, PC003 member_join,
+# PC005 a semaphore whose every slot is the caller's own (0005).
+SQLSTATE_LOCK_BUSY = "PC001"
+SQLSTATE_STALE_FENCE = "PC002"
+SQLSTATE_NAME_TAKEN = "PC003"
+SQLSTATE_OWN_SLOTS = "PC005"
+# The server's.
+SQLSTATE_LOCK_NOT_AVAILABLE = "55P03"
+SQLSTATE_DEADLOCK = "40P01"
+SQLSTATE_OUT_OF_SHARED_MEMORY = "53200"
+SQLSTATE_QUERY_CANCELED = "57014"  # a statement stopped part way, its effects unknown
+SQLSTATE_INSUFFICIENT_PRIVILEGE = "42501"
+SQLSTATE_TOO_MANY_CONNECTIONS = "53300"
+SQLSTATE_INVALID_PASSWORD = "28P01"
+SQLSTATE_INVALID_AUTHORIZATION = "28000"
+SQLSTATE_INVALID_CATALOG_NAME = "3D000"  # no such database
+SQLSTATE_CANNOT_CONNECT_NOW = "57P03"
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what SQLAlchemy wraps (``.orig``) and what it was caused by."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        orig = getattr(e, "orig", None)
+        todo += [e.__cause__, orig if isinstance(orig, BaseException) else None]
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error from asyncpg, psycopg, psycopg2, pg8000 or
+    SQLAlchemy, if any."""
+    for e in _chain(exc):
+        for attr in ("sqlstate", "pgcode"):
+            code = getattr(e, attr, None)
+            if isinstance(code, str) and len(code) == 5:
+                return code
+        # pg8000 passes the server's error fields as a dict; "C" is the SQLSTATE.
+        fields = e.args[0] if e.args else None
+        if isinstance(fields, dict):
+            code = fields.get("C")
+            if isinstance(code, str) and len(code) == 5:
+                return code
+    return None
+
+
+# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now.
+SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW)
+
+
+def session_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` means the session itself is gone (not just a statement failed).
+
+    A connection exception (class 08), the server ending the session, or an error
+    with no SQLSTATE at all: the socket broke or the driver gave up on it.
+    """
+    code = sqlstate(exc)
+    if code is None:
+        return not isinstance(exc, asyncio.CancelledError | PgcoordError)
+    return code.startswith("08") or code in SESSION_ENDED
+
+
+# undefined_table, invalid_schema_name, undefined_function: pgcoord's schema is
+# not installed (or not at the revision this code needs).
+_SCHEMA_MISSING = ("42P01", "3F000", "42883")
+
+
+def as_schema_missing(exc: BaseException) -> BaseException:
+    """``SchemaMissing`` for an error that says the schema is absent, else ``exc``."""
+    if sqlstate(exc) in _SCHEMA_MISSING:
+        return SchemaMissing()
+    return exc
+
+
+@contextlib.contextmanager
+def schema_missing_raised() -> Iterator[None]:
+    """Raise ``SchemaMissing`` for an error in the block that says the schema is
+    absent; let every other error through unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        mapped = as_schema_missing(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc

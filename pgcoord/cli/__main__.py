@@ -1,0 +1,7 @@
+"""``python -m pgcoord.cli``: the ``pgcoord`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,678 @@
+"""``Elector``: leader election on a lease row, with a session lock as the doorbell.
+
+The lease row in ``pgcoord.leases`` is the truth: it says who leads and with
+which fence. The leader also holds a session advisory lock (the *doorbell*) on
+its own dedicated session. Followers block on that lock, so when the leader's
+process dies the server drops its session, releases the lock, and a follower
+wakes within milliseconds and takes the lease over (the row records the
+leader's pid; a lease whose session no longer holds the doorbell may be taken
+at once, without waiting out the ttl).
+
+A leader that goes silent — paused, partitioned, its event loop stuck — is ended
+by the server itself: ``idle_session_timeout`` is set on the elector's session,
+so after one ttl of silence the session is closed, the doorbell rings, and the
+lease may be taken over. The leader's own trust window (monotonic clock) closes
+before that, so it has stopped believing it leads by then.
+
+Behind a transaction-mode pooler there are no sessions to speak of: the
+elector falls back to lease-and-poll, and takeover takes up to ttl + ttl/3.
+
+Given a ``Member`` instead of a DSN, the elector uses the member's session and
+opens no connection of its own: the leader takes the doorbell with a try (never
+a blocking wait, which would stall the shared session), and followers wait for
+news instead of on the lock: a member's death (``MemberLeft``, at once), the
+lease being released or taken (NOTIFY from the lease table's trigger), or at
+the latest a third of a ttl. Any number of electors then cost no connection
+beyond the member's two.
+
+Every lease change is told on the ``pgcoord_leases`` channel; ``watch()`` yields
+each change of leader, and ``request_resign()`` asks a leader, from anywhere, to
+step down gracefully (it hears at once, or at its next renewal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._core import errmap as _errmap
+from .._core.aio import (
+    CLEANUP_TIMEOUT,
+    END_OF_STREAM,
+    Backoff,
+    CleanupTimeout,
+    Subscription,
+    absorb_cancel,
+    cancel_until_done,
+    consume_result,
+    finish_despite_cancel,
+    keep_cancelling,
+)
+from .._core.queries import query
+from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
+from .._drivers.listen import listen
+from ..errors import PgcoordError, SchemaMissing
+from ..keys import lock_key
+from ..leases.lease import lock_timeout_setting, validate_holder, validate_name, validate_ttl
+from ..leases.tenure import Doorbell, Tenure, renew_once
+from ..observability import metrics
+
+if TYPE_CHECKING:
+    from ..member.member import Member
+
+__all__ = ["Elector", "LeaderChanged", "request_resign"]
+
+LEASE_CHANNEL = "pgcoord_leases"
+
+log = logging.getLogger("pgcoord.elector")
+
+Lead = Callable[[int], Coroutine[Any, Any, Any]]
+
+# How long stepping down may take. A resign past its bound (the lease row is
+# locked by a fenced transaction, the server does not answer) is abandoned and
+# the session closed instead, which frees the doorbell and lets a follower take
+# the lease without waiting out the ttl. Also the release's server-side lock_timeout.
+RESIGN_TIMEOUT = CLEANUP_TIMEOUT
+
+# How long a cancelled lead() may take to finish before the elector resigns
+# without it. This replica then leads again only once that lead() has ended.
+LEAD_EXIT_TIMEOUT = CLEANUP_TIMEOUT
+
+
+class _SessionLost(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class LeaderChanged:
+    """A change of leader seen by ``Elector.watch()``: the new holder (None when
+    the lease was released) and the fence of the term."""
+
+    holder: str | None
+    fence: int
+
+
+async def request_resign(source: Any, name: str) -> bool:
+    """Ask the current leader of ``name`` to step down gracefully (for deploys).
+    ``source``: a DSN, a ``Member``, or any async pool or engine pgcoord accepts.
+    True when there was a live leader to ask; it resigns at once if it listens
+    (it has a session), else at its next renewal."""
+    name = validate_name(name)
+    from ..member.member import Member
+
+    if isinstance(source, Member):
+        await source.wait_joined()
+        return bool(await source._call(query("lease_request_resign"), name))
+    if isinstance(source, str):
+        conn = await DsnSource(source, None, keepalive=10.0).open()
+        try:
+            with _errmap.schema_missing_raised():
+                return bool(await conn.fetchval(query("lease_request_resign"), name))
+        finally:
+            await finish_despite_cancel(conn.give_back())
+    from .._drivers import check_source, run_statement
+
+    check_source(source, need_async=True)
+    row = await run_statement(source, query("lease_request_resign"), (name,))
+    return bool(row and row[0])
+
+
+class Elector:
+    """Run ``lead(fence)`` on exactly one replica at a time; see DESIGN §3."""
+
+    def __init__(
+        self, dsn: str | Member, name: str, *, ttl: float = 10.0, holder: str | None = None,
+        driver: str | None = None, application_name: str | None = None,
+    ) -> None:
+        from ..member.member import Member
+
+        self._member: Member | None = None
+        if isinstance(dsn, Member):
+            if driver is not None or application_name is not None:
+                raise ValueError("driver= and application_name= belong to the Member, not its electors")
+            self._member = dsn
+        elif not isinstance(dsn, str):
+            raise TypeError(
+                "Elector takes a DSN or a Member: it needs a session of its own (or its member's), "
+                "never a pool's connection"
+            )
+        self.name = validate_name(name)
+        self.ttl = validate_ttl(ttl)
+        self.holder = validate_holder(holder if holder is not None or self._member is None
+                                      else f"{self._member.name}/{name}")
+        self.application_name = (application_name or f"pgcoord-elector:{name}")[:63]
+        self._source = (DsnSource(dsn, driver, keepalive=self.ttl) if isinstance(dsn, str)
+                        else None)
+        self._doorbell_name = f"pgcoord.elector:{name}"
+        self._doorbell = lock_key(self._doorbell_name)
+        self._leading = False
+        self._fence: int | None = None
+        self._tenure: Tenure | None = None  # the current (or last) term
+        self._bell: Doorbell | None = None  # the doorbell on the current session
+        # A lead() that outlived its cancellation: no new term until it ends.
+        self._straggler: asyncio.Task[Any] | None = None
+        self._closing: set[asyncio.Future[Any]] = set()
+        #: True when a transaction-mode pooler forced lease-and-poll mode.
+        self.polling: bool | None = None
+        self._conn: HolderConnection | None = None
+        self._lost: asyncio.Event | None = None
+        self._run_task: asyncio.Task[Any] | None = None
+        self._stopping = False
+        self._stopped: asyncio.Event | None = None
+        # Lease news: set when something a follower waits for may have happened.
+        self._news = asyncio.Event()
+        self._resign_asked: int | None = None  # the fence a resign was asked for
+        self._duty: asyncio.Task[Any] | None = None  # the running lead(), if any
+        self._unhooks: list[Callable[[], None]] = []
+        self._watchers: set[asyncio.Queue[LeaderChanged]] = set()
+        metrics.warm_up()
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.ttl * 1000)
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this replica leads: it won the lease, its session is alive and
+        its trust window is open. Read on the monotonic clock at each access, so after
+        a pause past the window it reads False at once, before the loop has run."""
+        tenure = self._tenure
+        return (self._leading and tenure is not None and tenure.trust.is_open()
+                and not (self._lost is not None and self._lost.is_set()))
+
+    @property
+    def fence(self) -> int | None:
+        """The fence of the current term while ``is_leader``, else None."""
+        return self._fence if self.is_leader else None
+
+    @property
+    def healthy(self) -> bool:
+        """False while this replica's ``lead()`` still runs though its trust window
+        has closed (it is being stopped): for readiness probes. True otherwise."""
+        duty = self._duty
+        return self.is_leader or duty is None or duty.done()
+
+    def watch(self) -> LeaderWatch:
+        """Each change of leader from now on, as ``LeaderChanged(holder, fence)``,
+        while ``run()`` runs (it listens on the elector's or the member's session;
+        behind a pooler nothing is heard). Subscribes at once."""
+        return Subscription(self._watchers)
+
+    def _on_lease_news(self, payload: str) -> None:
+        try:
+            news = json.loads(payload)
+        except ValueError:
+            return
+        if news.get("name") != self.name:
+            return
+        self._news.set()
+        fence = int(news.get("fence") or 0)
+        if news.get("ev") == "resign":
+            if self._leading and self._fence == fence:
+                self._resign_asked = fence
+            return
+        change = LeaderChanged(news.get("holder"), fence)
+        for queue in self._watchers:
+            queue.put_nowait(change)
+
+    @property
+    def _idle_ms(self) -> int:
+        # The server ends the session after this much silence. Shorter than the
+        # ttl so a paused leader is replaced within one ttl; the leader speaks
+        # every ttl/3, so it tolerates a stall of over half a ttl.
+        return int(self.ttl * 900)
+
+    # -- the session ---------------------------------------------------------------
+
+    async def _connect(self) -> HolderConnection:
+        if self._member is not None:
+            return await self._use_member(self._member)
+        assert self._source is not None
+        conn = await self._source.open()
+        try:
+            await conn.prepare()
+            idle = str(max(1, int(self.ttl / 2)))
+            conn.backend_pid = int(await conn.fetchval(
+                query("holder_setup"), self.application_name, idle, idle, str(self._ttl_ms)
+            ))
+            self.polling = await behind_transaction_pooler(self._source, conn)
+            if self.polling:
+                log.warning("elector %r: transaction-mode pooler detected; lease-and-poll mode "
+                            "(takeover up to ttl + ttl/3)", self.name)
+            else:
+                await conn.execute(query("elector_session").format(idle_ms=self._idle_ms))
+                with contextlib.suppress(Exception):  # a name for operators; best effort
+                    await conn.fetchval(query("lock_names_record"), self._doorbell,
+                                        self._doorbell_name)
+                await listen(conn, LEASE_CHANNEL, self._on_lease_news)
+        except BaseException:
+            await finish_despite_cancel(conn.close_now())
+            raise
+        lost = asyncio.Event()
+        conn.on_lost(lost.set)
+        self._conn, self._lost = conn, lost
+        self._bell = Doorbell(conn, self.name, call=self._call)
+        return conn
+
+    async def _use_member(self, member: Member) -> HolderConnection:
+        """The member's session as ours; hooks for the news followers wait for."""
+        await member.wait_joined()
+        self.polling = member.polling
+        if not self._unhooks:
+            self._unhooks = [
+                member.on_member_left(lambda _id: self._news.set()),
+                await member.listen(LEASE_CHANNEL, self._on_lease_news),
+            ]
+        conn = member.session()
+        lost = asyncio.Event()
+        conn.on_lost(lost.set)
+        self._conn, self._lost = conn, lost
+        self._bell = Doorbell(conn, self.name, call=self._call)
+        return conn
+
+    def _unhook(self) -> None:
+        unhooks, self._unhooks = self._unhooks, []
+        for unhook in unhooks:
+            unhook()
+
+    async def _drop_session(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close_now()
+
+    def _abandon_session(self) -> None:
+        """For a statement given up while in flight (a cleanup past its bound, a
+        renewal past the trust window), after its task was cancelled: never blocks.
+        The connection is cut at once (``abort``: the server ends the session, which
+        releases the doorbell, and the cancelled statement ends without a cancel
+        request over a network that may not answer); the session counts as lost,
+        and what is left of closing it runs in a task of its own."""
+        if self._lost is not None:
+            self._lost.set()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort()
+            closing = asyncio.ensure_future(conn.close_now())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            closing.add_done_callback(consume_result)
+
+    async def _call(self, sql: str, *args: Any) -> Any:
+        """A statement on the elector's session; ``_SessionLost`` when the session is gone."""
+        conn = self._conn
+        if conn is None or (self._lost is not None and self._lost.is_set()):
+            raise _SessionLost("no session")
+        try:
+            return await conn.fetchval(sql, *args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            mapped = _errmap.as_schema_missing(exc)
+            if isinstance(mapped, SchemaMissing):
+                raise mapped from exc
+            if _errmap.session_gone(exc):
+                raise _SessionLost(repr(exc)) from exc
+            raise
+
+    # -- follower ----------------------------------------------------------------------
+
+    async def _campaign(self) -> tuple[int, bool, float]:
+        """Wait until this replica holds the lease: (fence, holds the doorbell, send time)."""
+        assert self._conn is not None
+        if self._member is not None:
+            return await self._campaign_on_member()
+        bell = self._bell
+        assert bell is not None
+        while True:
+            rang = False
+            if not self.polling:
+                # Block on the leader's doorbell, looking at the lease at least
+                # once a ttl in case a leader leads without one.
+                wait = query("advisory_timeout").format(
+                    fn="pg_advisory_lock", key=self._doorbell, timeout_ms=self._ttl_ms)
+                try:
+                    await self._call_execute(wait)
+                    bell.rang()
+                    rang = True
+                except Exception as exc:
+                    if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                        raise
+                    # The leader may have gone just after the wait gave up: take
+                    # the bell now if it is free, so that a lease won here is
+                    # tied to this session (and a crash of ours is heard at once).
+                    rang = await bell.ring()
+            sent = time.monotonic()
+            fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
+                                     self._conn.backend_pid if rang else None)
+            if fence is not None:
+                return int(fence), rang, sent
+            if rang:  # the bell was free but someone leads without it: let it go
+                await bell.unring()
+            # After a doorbell wait that timed out, wait on it again at once: a
+            # pause here would be a window in which a leader's death goes unheard.
+            if self.polling or rang:
+                await asyncio.sleep(self.ttl / 3 * random.uniform(0.8, 1.0))
+
+    async def _campaign_on_member(self) -> tuple[int, bool, float]:
+        """As ``_campaign``, on a shared session: try the bell, never wait on it;
+        between tries wait for news (a member gone, the lease released or taken)
+        or a third of a ttl.
+
+        While another session holds the bell, a contender is mid-attempt or a
+        leader lives: the lease is not asked for then, so that it is never taken
+        unbound (with no session to tie it to) in a race with that contender.
+        Only after a third of a ttl without news is it asked for without the
+        bell, for a lease whose bell is held by a session that no longer renews
+        it (the lease expires)."""
+        conn, bell = self._conn, self._bell
+        assert conn is not None and bell is not None and self._lost is not None
+        quiet = False
+        while True:
+            self._news.clear()  # before looking, so news that comes meanwhile is kept
+            rang = False
+            if not self.polling:
+                rang = await bell.ring()
+            if rang or self.polling or quiet:
+                sent = time.monotonic()
+                try:
+                    fence = await self._call(query("lease_acquire"), self.name, self.holder,
+                                             self._ttl_ms, conn.backend_pid if rang else None)
+                except Exception as exc:
+                    # The row is held FOR SHARE by a fenced transaction: busy, not
+                    # a reason to stall the member's session (lock_timeout on it).
+                    if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                        raise
+                    fence = None
+                if fence is not None:
+                    if not rang and not self.polling:
+                        rang = await bell.bind(self.name, self.holder, int(fence))
+                    return int(fence), rang, sent
+                if rang:
+                    await bell.unring()
+            lost = asyncio.ensure_future(self._lost.wait())
+            news = asyncio.ensure_future(self._news.wait())
+            try:
+                await asyncio.wait({lost, news}, timeout=self.ttl / 3 * random.uniform(0.8, 1.0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+                news.cancel()
+            if self._lost.is_set():
+                raise _SessionLost("the member's session was lost")
+            quiet = not self._news.is_set()
+            if not quiet:
+                # News: whoever held the bell is letting go of it (a contender
+                # that lost, a leader resigning or gone): look again in a moment
+                # rather than at the next news.
+                await asyncio.sleep(random.uniform(0.002, 0.01))
+
+    async def _call_execute(self, sql: str) -> None:
+        conn = self._conn
+        if conn is None:
+            raise _SessionLost("no session")
+        try:
+            await conn.execute(sql)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if _errmap.session_gone(exc):
+                raise _SessionLost(repr(exc)) from exc
+            raise
+
+    # -- leader ----------------------------------------------------------------------------
+
+    async def _lead(self, lead: Lead, fence: int, rang: bool, sent: float) -> None:
+        # The earliest anyone may take over: when the server ends our silent
+        # session (idle_session_timeout), which comes before the lease's expiry.
+        if self.polling:
+            window = self.ttl
+        elif self._member is not None:
+            window = min(self.ttl, self._member.ttl * 0.9)  # the member's idle_session_timeout
+        else:
+            window = self._idle_ms / 1000
+        self._resign_asked = None
+        tenure = Tenure(self.name, window)
+        tenure.taken(fence, sent)
+        every = min(self.ttl, window) / 3  # renew well inside the trust window
+        next_renewal = sent + every
+        self._tenure, self._fence, self._leading = tenure, fence, True
+        duty: asyncio.Task[Any] = asyncio.create_task(lead(fence), name=f"pgcoord-lead:{self.name}")
+        self._duty = duty
+        metrics.leadership(self.name, True, fence)
+        log.info("elector %r: %s leads with fence %d", self.name, self.holder, fence)
+        assert self._lost is not None
+        lost_waiter = asyncio.create_task(self._lost.wait())
+        reason = "lead() returned"
+
+        async def renew() -> Any:
+            return await self._call(query("lease_renew_resign"), self.name, self.holder, fence, self._ttl_ms)
+
+        try:
+            while True:
+                timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
+                news = asyncio.ensure_future(self._news.wait())
+                try:
+                    await asyncio.wait({duty, lost_waiter, news}, timeout=timeout,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    news.cancel()
+                self._news.clear()
+                if duty.done():
+                    break
+                if lost_waiter.done():
+                    reason = "the elector's session was lost"
+                    break
+                if self._resign_asked == fence:
+                    reason = "a resign was requested"
+                    break
+                if not tenure.trust.is_open():
+                    reason = "no renewal succeeded within the trust window"
+                    break
+                if time.monotonic() < next_renewal:
+                    continue
+                # A session that cannot renew in time is of no more use: cut it
+                # (abandon) rather than wait for the cancelled statement.
+                next_renewal, asked = await renew_once(
+                    tenure, renew, every=every, retry_every=self.ttl / 10,
+                    abandon=self._abandon_session,
+                    fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
+                if tenure.lost is not None:
+                    reason = tenure.lost
+                    break
+                if asked:
+                    self._resign_asked = fence  # renewed, and asked to step down
+        except BaseException:
+            reason = ""  # stop() or cancellation: not a loss
+            raise
+        finally:
+            # Step down first, then clean up: nobody may think we lead from here on.
+            self._leading, self._fence = False, None
+            metrics.leadership(self.name, False, None)
+            lost_waiter.cancel()
+            # Said now, not after lead() has ended: that may take a while, and the
+            # reason is what an operator looks for at this moment.
+            self._say_why(reason, duty, fence)
+            # After a loss another replica may lead at any moment: lead() must end
+            # now, and is cancelled again until it does. Stepping down of our own
+            # accord, the lease is still ours until the trust window closes (and is
+            # released once lead() has ended, or at the bound): its cleanup has until
+            # the sooner of the two, halfway to the bound, before it is cancelled
+            # again; at once if the session is lost meanwhile.
+            graceful = reason in ("", "a resign was requested", "lead() returned")
+            lost = self._lost
+            calm_until = min(tenure.trust.until, time.monotonic() + LEAD_EXIT_TIMEOUT / 2)
+
+            def insist_from() -> float:
+                return calm_until if graceful and not lost.is_set() else 0.0
+
+            try:
+                await self._end_duty(duty, insist_from)
+            finally:
+                await self._resign_bounded(fence, rang)
+
+    def _say_why(self, reason: str, duty: asyncio.Task[Any], fence: int) -> None:
+        if not reason:
+            return
+        if reason == "a resign was requested":
+            log.info("elector %r: resigning on request (fence %d), then campaigning again",
+                     self.name, fence)
+        elif duty.done() and not duty.cancelled() and duty.exception() is None:
+            log.info("elector %r: lead() returned; resigning, then campaigning again", self.name)
+        else:
+            if duty.done() and not duty.cancelled():
+                reason = "lead() raised"  # logged with its traceback once it is collected
+            log.warning("elector %r: stepping down (fence %d): %s", self.name, fence, reason)
+            metrics.lock_lost(self.name, reason)
+
+    async def _finish_duty(self, duty: asyncio.Task[Any], insist_from: Callable[[], float]) -> None:
+        again = await cancel_until_done(duty, insist_from=insist_from)
+        if again:
+            log.warning("elector %r: lead() went on after its cancellation (a driver or an "
+                        "except clause took it for an error); cancelled %d more time(s)",
+                        self.name, again)
+        if not duty.cancelled() and (error := duty.exception()) is not None:
+            log.error("elector %r: lead() raised", self.name, exc_info=error)
+
+    async def _end_duty(self, duty: asyncio.Task[Any], insist_from: Callable[[], float]) -> None:
+        try:
+            await finish_despite_cancel(self._finish_duty(duty, insist_from), bound=LEAD_EXIT_TIMEOUT)
+        except CleanupTimeout:
+            log.error("elector %r: lead() did not finish within %.1f s of its cancellation; "
+                      "resigning without it (its fence is stale; this replica leads again only "
+                      "after it ends)", self.name, LEAD_EXIT_TIMEOUT)
+            self._straggler = duty
+            keep_cancelling(duty)  # also while resigning, and after stop()
+
+    async def _resign_bounded(self, fence: int, rang: bool) -> None:
+        bound = RESIGN_TIMEOUT
+        try:
+            await finish_despite_cancel(self._resign(fence, rang, bound), bound=bound,
+                                        on_timeout=self._abandon_session)
+        except CleanupTimeout:
+            log.warning("elector %r: resigning (fence %d) did not finish within %.1f s; closed "
+                        "the session instead: a follower may take the lease over as soon as "
+                        "the row is free", self.name, fence, bound)
+
+    async def _resign(self, fence: int, rang: bool, bound: float) -> None:
+        """Release the row first, then the doorbell, so a follower woken by the bell
+        finds the row free. On a member's session followers are woken by the row's
+        NOTIFY instead, so there the bell goes first and the row's news finds it
+        free (we no longer lead either way: nobody may think so from here on)."""
+        # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
+        bell_first = self._member is not None
+        bell = self._bell
+        try:
+            if rang and bell_first and bell is not None:
+                await bell.unring()
+            # On a member's shared session no wait may be long (see member_session).
+            wait = bound if self._member is None else min(bound, 0.5)
+            await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
+                             lock_timeout_setting(wait))
+            if rang and not bell_first and bell is not None:
+                await bell.unring()
+        except Exception as exc:
+            # Closing the session releases the doorbell; the row's session is then
+            # gone, so a follower may take over without waiting out the ttl. On a
+            # member's session, letting go unlocks the doorbell instead.
+            log.warning("elector %r: resign failed (%r); closing the session", self.name, exc)
+            await self._drop_session()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self, lead: Lead) -> None:
+        """Campaign, lead while elected, campaign again; until ``stop()`` or cancellation."""
+        if self._run_task is not None:
+            raise RuntimeError("this Elector is already running")
+        self._run_task = asyncio.current_task()
+        self._stopping, self._stopped = False, asyncio.Event()
+        metrics.campaigning(self.name)
+        backoff = Backoff(first=0.05, cap=self.ttl / 3)
+        try:
+            while True:
+                # Whatever fails here (a lost session, a server restart or outage, a
+                # cleanup abandoned at its bound) is met by backing off and
+                # campaigning again; only stop(), cancellation or a missing schema
+                # end run().
+                try:
+                    await self._await_straggler()
+                    if self._conn is None or (self._lost is not None and self._lost.is_set()):
+                        await self._drop_session()
+                        await self._connect()
+                    fence, rang, sent = await self._campaign()
+                    backoff.reset()
+                    await self._lead(lead, fence, rang, sent)
+                    # After a term (a resign on request above all) let another
+                    # replica take over before campaigning again.
+                    await asyncio.sleep(self.ttl / 3 * random.uniform(0.5, 1.0))
+                except SchemaMissing:
+                    raise
+                except Exception as exc:
+                    delay = backoff.failed()
+                    log.warning("elector %r: %r; campaigning again in %.2fs", self.name, exc, delay)
+                    await self._drop_session()
+                    await backoff.sleep()
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            absorb_cancel()
+        finally:
+            with contextlib.suppress(CleanupTimeout):
+                await finish_despite_cancel(self._drop_session())
+            self._unhook()
+            self._run_task = None
+            self._stopped.set()
+            for queue in self._watchers:
+                queue.put_nowait(END_OF_STREAM)
+
+    async def _await_straggler(self) -> None:
+        """Wait for a lead() left behind at its bound (``keep_cancelling`` cancels it)."""
+        duty = self._straggler
+        while duty is not None and not duty.done():
+            log.warning("elector %r: the previous lead() has not finished; not campaigning "
+                        "until it does", self.name)
+            await asyncio.wait({duty}, timeout=self.ttl)
+        if duty is not None and not duty.cancelled() and (error := duty.exception()) is not None:
+            log.error("elector %r: the previous lead() raised", self.name, exc_info=error)
+        self._straggler = None
+
+    async def stop(self) -> None:
+        """Resign if leading (followers take over within milliseconds) and end ``run()``."""
+        task, stopped = self._run_task, self._stopped
+        if task is None or stopped is None:
+            return
+        self._stopping = True
+        task.cancel()
+        await stopped.wait()
+
+    async def leader(self) -> str | None:
+        """The current leader's holder name, or None (asked on a short connection of
+        its own, or on the member's session)."""
+        if self._member is not None:
+            await self._member.wait_joined()
+            with _errmap.schema_missing_raised():
+                return await self._member._call(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
+        assert self._source is not None
+        try:
+            conn = await self._source.open()
+            try:
+                with _errmap.schema_missing_raised():
+                    await conn.prepare()
+                    return await conn.fetchval(query("lease_current_holder"), self.name)  # type: ignore[no-any-return]
+            finally:
+                await conn.give_back()
+        except PgcoordError:
+            raise
+        except Exception as exc:
+            raise PgcoordError(f"elector {self.name!r}: could not ask who leads: {exc!r}") from exc
+
+
+#: An async iterator of ``LeaderChanged``; see ``Elector.watch``.
+LeaderWatch = Subscription[LeaderChanged]

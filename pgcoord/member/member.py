@@ -1,0 +1,776 @@
+"""``Member``: a process's presence in the database, and crash news in milliseconds.
+
+A member is one dedicated *main* session that holds the member's alive lock
+(see ``sql/0004_members.up.sql``) and LISTENs for membership news. The server
+releases that lock the moment the session ends: the process died, the session
+was terminated, the server restarted, or the server itself ended a silent
+session (``idle_session_timeout``, 0.9 x ttl, after a pause or a partition).
+
+Who notices? Members of a group form a ring ordered by id. Each member's second
+session, the *watcher*, waits in the lock queue for its successor's alive lock.
+When the successor's session ends the watcher is granted the lock at once; the
+member deletes the successor's row, announces ``left`` with NOTIFY to everyone,
+gives the lock back and moves on to the next successor. Simultaneous deaths of
+neighbours are found one after another by the same watcher, each in one round
+trip. A watcher that was paused itself when its target died holds the dead
+member's lock until the server ends the paused session; meanwhile every live
+member's heartbeat (every ttl/3) sweeps the group for rows whose own session no
+longer holds their lock, so that death is told within ttl/3 even then.
+
+Failure detection bounds (measured by ``bench/members.py``): a death that ends
+the session (SIGKILL, ``pg_terminate_backend``) is told in one lock grant plus
+one NOTIFY; a silent member within 0.9 x ttl of its last heartbeat; a death
+whose watcher is itself paused within ttl/3 more.
+
+A member uses exactly two server connections, whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime as dt
+import functools
+import json
+import logging
+import math
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._core import errmap as _errmap
+from .._core.aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
+from .._core.queries import query
+from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
+from .._drivers.listen import listen
+from ..errors import PgcoordError, SchemaMissing
+
+__all__ = [
+    "Member", "MemberInfo", "MemberJoined", "MemberLeft", "MemberSession", "MemberWatch", "SessionLost",
+]
+
+log = logging.getLogger("pgcoord.member")
+
+CHANNEL = "pgcoord_members"
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One live member as the database records it."""
+
+    id: int
+    name: str
+    group: str
+    meta: dict[str, Any] = field(compare=False)
+    joined_at: dt.datetime = field(compare=False)
+
+
+@dataclass(frozen=True)
+class MemberJoined:
+    member: MemberInfo
+
+
+@dataclass(frozen=True)
+class MemberLeft:
+    member: MemberInfo
+    #: ``left`` (it said goodbye), ``crashed`` (its session ended while it was
+    #: heartbeating), ``silent`` (it had stopped heartbeating first: paused, cut off).
+    reason: Literal["left", "crashed", "silent"]
+
+
+MemberChange = MemberJoined | MemberLeft
+
+
+class NameTaken(PgcoordError):
+    """A live member of this group already has this name."""
+
+
+def _default_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def _validate(group: Any, name: Any, meta: Any, ttl: Any) -> tuple[str, str, str, float]:
+    if not isinstance(group, str) or not group:
+        raise ValueError("group must be a non-empty str")
+    if name is None:
+        name = _default_name()
+    if not isinstance(name, str) or not name:
+        raise ValueError("name must be a non-empty str or None")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict, not {type(meta).__name__}")
+    try:
+        meta_json = json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"meta must be JSON-serialisable: {exc}") from None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl < 1.0:
+        raise ValueError(f"ttl must be at least 1 s, got {ttl}")
+    return group, name, meta_json, float(ttl)
+
+
+def _info(row: dict[str, Any]) -> MemberInfo:
+    return MemberInfo(
+        id=int(row["id"]), name=str(row["name"]), group=str(row["group"]),
+        meta=dict(row["meta"] or {}), joined_at=dt.datetime.fromisoformat(row["joined_at"]),
+    )
+
+
+def _add_hook(hooks: list[Callable[[int], None]], hook: Callable[[int], None]) -> Callable[[], None]:
+    hooks.append(hook)
+
+    def remove() -> None:
+        if hook in hooks:
+            hooks.remove(hook)
+
+    return remove
+
+
+def _as_reason(reason: str) -> Literal["left", "crashed", "silent"]:
+    return "left" if reason == "left" else "silent" if reason == "silent" else "crashed"
+
+
+class SessionLost(Exception):
+    """The member's session is gone (internal: features map it to their own
+    errors; it carries no SQLSTATE, so ``_errmap.session_gone`` says yes)."""
+
+
+class MemberSession(HolderConnection):
+    """A member's main session seen as one feature's connection: statements go
+    through the member (serialised with everyone else's), ``on_lost`` fires when
+    this incarnation of the session ends, and the feature never closes it. Keys
+    the feature records in ``owned`` are unlocked when it lets go (``close_now``)."""
+
+    def __init__(self, member: Member, incarnation: int, main: HolderConnection) -> None:
+        self._member = member
+        self._incarnation = incarnation
+        self._main = main
+        self.conn = main.conn
+        self.backend_pid = main.backend_pid
+        self.owned: collections.Counter[tuple[int, bool]] = collections.Counter()
+        self._unhooks: list[Callable[[], None]] = []
+        self._dropped = False
+
+    def _check(self) -> None:
+        if self._dropped or self._member.id != self._incarnation:
+            raise SessionLost("this member session has ended")
+
+    async def fetchval(self, sql: str, *args: Any) -> Any:
+        self._check()
+        return await self._member._call(sql, *args)
+
+    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
+        self._check()
+        row = await self._member._call(sql, *args, how="row")
+        return None if row is None else tuple(row)
+
+    async def execute(self, sql: str) -> None:
+        self._check()
+        await self._member._call(sql, how="exec")
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        incarnation = self._incarnation
+
+        def hook(old_id: int) -> None:
+            if old_id == incarnation:
+                callback()
+
+        self._unhooks.append(self._member.on_session_lost(hook))
+        if self._member.id != incarnation:
+            callback()
+
+    def announced_pid(self) -> int | None:
+        return self._main.announced_pid()
+
+    def unlock_later(self, key: int, count: int = 1) -> None:
+        """Unlock ``key`` (``count`` levels) in the background, if this incarnation of
+        the session still lives (else it went with the session)."""
+        if self._member.id == self._incarnation:
+            self._member._spawn(
+                self._member._unlock_owned(self._incarnation, collections.Counter({(key, False): count})),
+                f"pgcoord-member-release:{self._member.name}")
+
+    def terminate(self) -> None:
+        """Let go without waiting: the member's session stays; keys this feature
+        owned are unlocked in the background."""
+        if self._dropped:
+            return
+        self._dropped = True
+        for unhook in self._unhooks:
+            unhook()
+        owned, self.owned = self.owned, collections.Counter()
+        if owned and self._member.id == self._incarnation:
+            self._member._spawn(self._member._unlock_owned(self._incarnation, owned),
+                                f"pgcoord-member-release:{self._member.name}")
+
+    def abort(self) -> None:
+        """A statement of ours got no answer within its bound. On a shared session
+        that usually means it queued behind another feature's statement, not that
+        the session is dead: the feature lets go, and the member's own bounded
+        heartbeat decides whether the session is still usable."""
+        self.terminate()
+
+    async def close_now(self) -> None:
+        self.terminate()
+
+    async def give_back(self) -> None:
+        self.terminate()
+
+
+class Member:
+    """One process's presence in a group; see DESIGN §6."""
+
+    def __init__(
+        self, dsn: str, *, group: str = "default", name: str | None = None,
+        meta: dict[str, Any] | None = None, ttl: float = 10.0, driver: str | None = None,
+        application_name: str | None = None,
+    ) -> None:
+        if not isinstance(dsn, str):
+            raise TypeError("Member takes a DSN: it needs sessions of its own, never a pool's")
+        self.group, self.name, self._meta_json, self.ttl = _validate(group, name, meta, ttl)
+        self.meta: dict[str, Any] = json.loads(self._meta_json)
+        self.application_name = (application_name or f"pgcoord-member:{self.name}")[:63]
+        self._source = DsnSource(dsn, driver, keepalive=self.ttl)
+        #: This member's id while joined; a new one after each rejoin.
+        self.id: int | None = None
+        self.joined_at: dt.datetime | None = None
+        self._main: HolderConnection | None = None
+        self._watcher: HolderConnection | None = None
+        self._main_io = asyncio.Lock()
+        self._view: dict[int, MemberInfo] = {}
+        #: Ids of every live member of every group, in ring order.
+        self._ring: list[int] = []
+        self._left_hooks: list[Callable[[int], None]] = []
+        self._lost_hooks: list[Callable[[int], None]] = []
+        #: Other channels features listen to on the member's session: name -> callbacks.
+        self._channels: dict[str, list[Callable[[str], None]]] = {}
+        self._listening: set[str] = set()  # channels LISTENed on the current session
+        #: LockHolders on this member share its session, and session locks are
+        #: re-entrant per session: their per-key FIFO must be the member's.
+        self.holder_queues: dict[int, Any] = {}
+        self._subscribers: set[asyncio.Queue[MemberChange]] = set()
+        self._news = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._joined = asyncio.Event()
+        self._target: int | None = None
+        #: True behind a transaction-mode pooler: heartbeat rows, no session.
+        self.polling: bool | None = None
+        self._watch_changed = asyncio.Event()
+        self._tasks = Supervisor(f"member {self.name!r}", log)
+        self._runner: asyncio.Task[None] | None = None
+        self._open = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Member:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Join the group; returns once joined (raises if the first join fails)."""
+        if self._open:
+            raise RuntimeError("this Member is already open")
+        self._open = True
+        try:
+            await self._join()
+        except BaseException:
+            self._open = False
+            await finish_despite_cancel(self._drop_sessions())
+            raise
+        self._runner = asyncio.create_task(self._run(), name=f"pgcoord-member:{self.name}")
+
+    async def close(self) -> None:
+        """Leave the group (announced as ``left``) and close both sessions."""
+        if not self._open:
+            return
+        self._open = False
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await runner
+        await self._stop_tasks()
+        # Whatever is tied to this session stops believing before the session is
+        # given up (followers may take over the moment we have left).
+        if self.id is not None:
+            self._call_hooks(self._lost_hooks, self.id)
+        try:
+            with contextlib.suppress(Exception):
+                await finish_despite_cancel(self._leave())
+        finally:
+            await finish_despite_cancel(self._drop_sessions())
+            for queue in self._subscribers:
+                queue.put_nowait(END_OF_STREAM)
+
+    async def _leave(self) -> None:
+        if self.id is not None and self._main is not None and not self._lost.is_set():
+            try:
+                await self._call(query("member_leave"), self.id)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # Not a cancellation of ours: asyncpg 0.29 makes the statement after a
+                # cancelled one wait for that cancel, and the wait can end this way
+                # when the tasks that ran on the session were stopped. Leaving is best
+                # effort: the session is closed next, and its end frees the alive lock
+                # (the others are told the member crashed rather than left).
+                log.warning("member %r: leaving the group was cut short; closing the session", self.name)
+
+    async def _drop_sessions(self) -> None:
+        for conn in (self._watcher, self._main):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close_now()
+        self._watcher = self._main = None
+        self.id = None
+        self._joined.clear()
+
+    async def _stop_tasks(self) -> None:
+        await self._tasks.stop()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        # The member reads its loops' outcomes itself (_run logs them).
+        return self._tasks.spawn(coro, name, collected=True)
+
+    # -- sessions ------------------------------------------------------------------------
+
+    @property
+    def _idle_ms(self) -> int:
+        # As for the elector: the member speaks every ttl/3, and the server ends
+        # its session after 0.9 ttl of silence, inside the one-ttl bound.
+        return int(self.ttl * 900)
+
+    async def _open_session(self, role: str) -> HolderConnection:
+        """A session of ours, set up unless it turns out to be behind a
+        transaction-mode pooler (where session settings would leak to other
+        clients of the same server session); ``self.polling`` says which."""
+        conn = await self._source.open()
+        try:
+            await conn.prepare()
+            conn.backend_pid = int(await conn.fetchval(query("holder_backend_pid")))
+            if role == "":
+                self.polling = await behind_transaction_pooler(self._source, conn)
+            if not self.polling:
+                idle = str(max(1, int(self.ttl / 2)))
+                await conn.fetchval(
+                    query("holder_setup"), f"{self.application_name}"[: 63 - len(role)] + role,
+                    idle, idle, str(int(self.ttl * 1000)),
+                )
+                setup = "member_session" if role == "" else "member_watcher_session"
+                await conn.execute(query(setup).format(idle_ms=self._idle_ms))
+        except BaseException:
+            await finish_despite_cancel(conn.close_now())
+            raise
+        return conn
+
+    async def _join(self) -> None:
+        """Open the sessions, LISTEN, join, and load the view. Behind a
+        transaction-mode pooler: one connection, no alive lock, no LISTEN."""
+        lost = asyncio.Event()
+        main = await self._open_session("")
+        self._main = main
+        main.on_lost(lost.set)
+        try:
+            if self.polling:
+                log.warning(
+                    "member %r: a transaction-mode pooler is in between; membership falls back "
+                    "to heartbeat rows: departures are told within ttl + ttl/3, not at once",
+                    self.name)
+            else:
+                await listen(main, CHANNEL, self._on_notify)
+            with _errmap.schema_missing_raised():
+                try:
+                    row = await main.fetchval(
+                        "SELECT pg_catalog.row_to_json(j)::text FROM ("
+                        + query("member_join") + ") AS j",
+                        self.group, self.name, self._meta_json, int(self.ttl * 1000),
+                        self.application_name, not self.polling,
+                    )
+                except Exception as exc:
+                    if _errmap.sqlstate(exc) == _errmap.SQLSTATE_NAME_TAKEN:
+                        raise NameTaken(
+                            f"a live member of group {self.group!r} is already named {self.name!r}"
+                        ) from None
+                    raise
+            joined = json.loads(row)
+            self.id = int(joined["id"])
+            self.joined_at = dt.datetime.fromisoformat(joined["joined_at"])
+            if not self.polling:
+                watcher = await self._open_session("/watch")
+                self._watcher = watcher
+                watcher.on_lost(lost.set)
+        except BaseException:
+            await finish_despite_cancel(self._drop_sessions())
+            raise
+        self._lost = lost
+        self._listening = set()
+        await self._listen_all()
+        await self._refresh(initial=True)
+        self._joined.set()
+        log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
+
+    async def _call(self, sql: str, *args: Any, how: str = "val") -> Any:
+        """One statement on the main session, serialised with every other user of
+        it: its first value (``how="val"``), first row (``"row"``) or nothing
+        (``"exec"``, parameterless). ``SessionLost`` when the session is gone."""
+        conn = self._main
+        if conn is None or self._lost.is_set():
+            raise SessionLost("the member's session is gone")
+        async with self._main_io:
+            if self._lost.is_set():
+                raise SessionLost("the member's session is gone")
+            try:
+                if how == "row":
+                    return await conn.fetchrow(sql, *args)
+                if how == "exec":
+                    return await conn.execute(sql)
+                return await conn.fetchval(sql, *args)
+            except Exception as exc:
+                if _errmap.session_gone(exc):
+                    self._lost.set()
+                    raise SessionLost(repr(exc)) from exc
+                raise
+
+    @property
+    def has_session(self) -> bool:
+        """True while the member is joined with a live session (for readiness probes):
+        False while it is joining again after a lost session, or closed."""
+        return (self._open and self._main is not None and self.id is not None
+                and self._joined.is_set() and not self._lost.is_set())
+
+    def session(self) -> MemberSession:
+        """The member's current session, for a feature that runs on it (an
+        elector, a lock holder): ``SessionLost`` if there is none right now."""
+        if self._main is None or self.id is None or self._lost.is_set() or not self._joined.is_set():
+            raise SessionLost("the member has no session right now (it is joining)")
+        return MemberSession(self, self.id, self._main)
+
+    async def wait_joined(self) -> None:
+        """Until the member has a session (at once when it has)."""
+        if not self._open:
+            raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
+        await self._joined.wait()
+
+    # -- the background work ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """Heartbeat, watch the successor and apply news; rejoin after a lost session."""
+        backoff = Backoff(first=0.05, cap=self.ttl / 3)
+        while True:
+            try:
+                if self._main is None:
+                    await self._join()
+                    backoff.reset()
+                parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
+                if not self.polling:
+                    parts += [
+                        self._spawn(self._watch_loop(), f"pgcoord-member-watch:{self.name}"),
+                        self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
+                    ]
+                lost_wait = asyncio.ensure_future(self._lost.wait())
+                try:
+                    await asyncio.wait([lost_wait, *parts], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    lost_wait.cancel()
+                for part in parts:
+                    if part.done() and not part.cancelled() and part.exception() is not None:
+                        log.warning("member %r: %r", self.name, part.exception())
+                log.warning("member %r (id %s): session lost; joining again", self.name, self.id)
+            except Exception as exc:
+                # Never give up in the background: open() already raised for a
+                # schema that was missing at the start; one that goes missing
+                # later (a restore, a downgrade) is logged loudly and retried.
+                delay = backoff.failed()
+                level = logging.ERROR if isinstance(exc, SchemaMissing) else logging.WARNING
+                log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, delay)
+            own_id = self.id
+            if own_id is not None:
+                self._call_hooks(self._lost_hooks, own_id)
+            await self._stop_tasks()
+            await finish_despite_cancel(self._drop_sessions())
+            self._forget_view(own_id)
+            await backoff.sleep()
+
+    def _forget_view(self, own_id: int | None) -> None:
+        """Our session ended, so what we knew of others may be stale: every peer we
+        knew is reported gone; the next join reports the live ones again."""
+        old, self._view = self._view, {}
+        for info in old.values():
+            if info.id != own_id:
+                self._emit(MemberLeft(info, "crashed"))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            # Bounded: a session that cannot run a heartbeat within half a ttl (a
+            # statement stuck on it, a dead network) is not usable by anyone;
+            # it is closed, and the member joins again.
+            try:
+                async with asyncio.timeout(self.ttl / 2):
+                    alive = await self._call(query("member_heartbeat"), self.id)
+            except TimeoutError:
+                log.warning("member %r: no heartbeat within %.1fs; closing its session",
+                            self.name, self.ttl / 2)
+                if self._main is not None:
+                    self._main.abort()
+                self._lost.set()
+                return
+            if not alive:
+                # Declared dead (our lock was not seen): a new incarnation joins.
+                self._lost.set()
+                return
+            if self.polling:
+                await self._refresh()  # no NOTIFY behind a pooler: look
+
+    async def _news_loop(self) -> None:
+        while True:
+            await self._news.wait()
+            self._news.clear()
+            await self._refresh()
+
+    def _on_notify(self, payload: str) -> None:
+        try:
+            news = json.loads(payload)
+            member_id = int(news["id"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if news.get("ev") == "left":
+            # A departure needs no query: apply it now, for the watcher too.
+            self._forget(member_id, str(news.get("reason") or "crashed"))
+        else:
+            self._news.set()
+
+    def _forget(self, member_id: int, reason: str) -> None:
+        """Member ``member_id`` (of any group) is gone: tell who needs to know."""
+        if member_id in self._ring:
+            self._ring.remove(member_id)
+        self._call_hooks(self._left_hooks, member_id)
+        gone = self._view.pop(member_id, None)
+        if gone is not None:
+            self._emit(MemberLeft(gone, _as_reason(reason)))
+        self._retarget()
+
+    async def _unlock_owned(self, incarnation: int, owned: collections.Counter[tuple[int, bool]]) -> None:
+        """Unlock what a feature left held on our session (each level taken)."""
+        for (key, shared), count in owned.items():
+            fn = "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
+            for _ in range(count):
+                if self.id != incarnation:
+                    return  # that session is gone, and its locks with it
+                try:
+                    await self._call(query("advisory_call").format(fn=fn), key)
+                except SessionLost:
+                    return
+                except Exception as exc:
+                    log.warning("member %r: unlocking %d failed: %r", self.name, key, exc)
+
+    async def listen(self, channel: str, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(payload)`` for each NOTIFY on ``channel``, on the member's
+        session, from now on and again after every rejoin (news sent while the
+        session was away is lost: callers also look for themselves now and then).
+        Behind a pooler nothing arrives. Returns a function that stops it."""
+        self._channels.setdefault(channel, []).append(callback)
+        callbacks = self._channels[channel]
+
+        def stop() -> None:
+            if callback in callbacks:
+                callbacks.remove(callback)
+
+        if self._joined.is_set():
+            try:
+                await self._listen_all()
+            except BaseException:
+                stop()
+                raise
+        return stop
+
+    async def _listen_all(self) -> None:
+        """LISTEN on every registered channel not yet listened to on this session
+        (again until none is left, for channels added meanwhile)."""
+        main = self._main
+        if main is None or self.polling:
+            return
+        async with self._main_io:
+            while (todo := set(self._channels) - self._listening) and main is self._main:
+                if self._lost.is_set():
+                    return  # the next session listens on every channel when it joins
+                channel = todo.pop()
+                try:
+                    await listen(main, channel, functools.partial(self._on_channel, channel))
+                except Exception as exc:
+                    if not _errmap.session_gone(exc):
+                        mapped = _errmap.as_schema_missing(exc)
+                        if mapped is exc:
+                            raise
+                        raise mapped from exc
+                    # The session is gone: the loop joins again, and the new session
+                    # listens on every registered channel. Not the caller's error.
+                    self._lost.set()
+                    return
+                self._listening.add(channel)
+
+    def _on_channel(self, channel: str, payload: str) -> None:
+        for callback in list(self._channels.get(channel, ())):
+            try:
+                callback(payload)
+            except Exception:
+                log.exception("member %r: a listener on %r failed", self.name, channel)
+
+    def _call_hooks(self, hooks: list[Callable[[int], None]], member_id: int) -> None:
+        for hook in list(hooks):
+            try:
+                hook(member_id)
+            except Exception:
+                log.exception("member %r: a hook for member %d failed", self.name, member_id)
+
+    def on_member_left(self, hook: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``hook(member_id)`` whenever any member of any group is known gone
+        (for features tied to members: electors, leases, job claims). Returns a
+        function that removes the hook."""
+        return _add_hook(self._left_hooks, hook)
+
+    def on_session_lost(self, hook: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``hook(old_id)`` at once when this member's own session ends (before
+        it joins again under a new id): whatever was tied to it is gone. Returns a
+        function that removes the hook."""
+        return _add_hook(self._lost_hooks, hook)
+
+    async def _refresh(self, *, initial: bool = False) -> None:
+        state = json.loads(await self._call(query("member_state"), self.group))
+        fresh = {info.id: info for info in map(_info, state["peers"])}
+        ring = [int(i) for i in state["ring"]]
+        gone: dict[str, str] = state["gone"]
+        for member_id in set(self._ring) - set(ring):
+            self._call_hooks(self._left_hooks, member_id)
+        self._ring = ring
+        old, self._view = self._view, fresh
+        if not initial or old:
+            for member_id, info in old.items():
+                if member_id not in fresh:
+                    # Gone without news reaching us (we poll, or our session was
+                    # away): the tombstone says why, for a minute.
+                    self._emit(MemberLeft(info, _as_reason(gone.get(str(member_id), "crashed"))))
+        for member_id, info in fresh.items():
+            if member_id not in old and member_id != self.id:
+                self._emit(MemberJoined(info))
+        self._retarget()
+
+    def _emit(self, change: MemberChange) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(change)
+
+    def _successor(self) -> int | None:
+        others = [i for i in self._ring if i != self.id]
+        if not others or self.id is None:
+            return None
+        return next((i for i in others if i > self.id), others[0])
+
+    def _retarget(self) -> None:
+        """Move a watcher blocked on a target that is no longer our successor."""
+        target = self._target
+        if target is None or target == self._successor() or self._watcher is None:
+            self._watch_changed.set()
+            return
+        self._spawn(self._cancel_watch(), f"pgcoord-member-retarget:{self.name}")
+
+    async def _cancel_watch(self) -> None:
+        watcher = self._watcher
+        if watcher is not None and self._target is not None:
+            with contextlib.suppress(SessionLost):
+                await self._call(query("member_cancel_watch"), watcher.backend_pid)
+
+    async def _watch_loop(self) -> None:
+        watcher = self._watcher
+        assert watcher is not None
+        while True:
+            target = self._successor()
+            if target is None:
+                # Alone: nothing to wait for, but the watcher session must not go
+                # idle for its idle_session_timeout (that is for a paused process).
+                self._watch_changed.clear()
+                try:
+                    async with asyncio.timeout(self.ttl / 3):
+                        await self._watch_changed.wait()
+                except TimeoutError:
+                    try:
+                        await watcher.fetchval(query("holder_probe"))
+                    except Exception as exc:
+                        if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:  # a late retarget
+                            raise
+                continue
+            self._target = target
+            try:
+                await watcher.fetchval(query("member_wait_alive"), target)
+            except Exception as exc:
+                self._target = None
+                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
+                    # Moved on to another successor. The cancel may have landed
+                    # just after the grant: let go of the lock if we got it.
+                    await self._unwatch(watcher, target, held_or_not=True)
+                    continue
+                if _errmap.session_gone(exc):
+                    self._lost.set()
+                raise
+            self._target = None
+            # Granted: the target's session is gone. Tell everyone, then let go.
+            try:
+                reason = await self._call(query("member_reap"), target)
+            except SessionLost:
+                raise
+            except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
+                log.warning("member %r: telling member %d's death failed: %r", self.name, target, exc)
+                reason = None
+            # Tell our own side now rather than when our NOTIFY comes back, and
+            # move on past the dead member at once. No reason: it said goodbye,
+            # and that news is still on its way to us.
+            if target in self._ring:
+                self._forget(target, reason or "left")
+            await self._unwatch(watcher, target)
+
+    async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> None:
+        # A retarget's pg_cancel_backend may land on this statement: try again.
+        for _ in range(5):
+            try:
+                if held_or_not:
+                    await watcher.fetchval(query("member_unwatch_if_held"), target)
+                else:
+                    await watcher.fetchval(query("member_unwatch"), target)
+                return
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
+                    raise
+        raise RuntimeError(f"could not give back member {target}'s alive lock")
+
+    # -- the public view -----------------------------------------------------------------------
+
+    async def peers(self) -> list[MemberInfo]:
+        """Every live member of the group, this one included, by id (a fresh read)."""
+        if not self._open:
+            raise RuntimeError("Member is not open: use `async with Member(...)`")
+        await self._joined.wait()
+        state = json.loads(await self._call(query("member_state"), self.group))
+        return [_info(row) for row in state["peers"]]
+
+    def watch(self) -> MemberWatch:
+        """Membership changes from this call on: ``MemberJoined`` and ``MemberLeft``.
+
+        Subscribes at once (not at the first ``__anext__``), so nothing that
+        happens between this call and the first read is missed. Ends when the
+        member is closed. A lost session of our own is reported as every peer
+        leaving (``crashed``), then joining again once we have rejoined.
+        """
+        return Subscription(self._subscribers)
+
+
+#: An async iterator of membership changes; see ``Member.watch``.
+MemberWatch = Subscription[MemberChange]

@@ -1,0 +1,2 @@
+"""Metrics (structured log records always, Prometheus when installed) and
+OpenTelemetry spans and instruments."""
