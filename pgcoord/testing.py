@@ -97,7 +97,7 @@ def _unwrap(obj: Any) -> Any:
 def _backend_pid(obj: Any) -> int:
     from .elector.elector import Elector
     from .holder.holder import LockHolder
-    from .member.member import Member
+    from .member import Member
 
     obj = _unwrap(obj)
     pid: Any = None
@@ -147,7 +147,7 @@ def pause_past_ttl(obj: Any, *, factor: float = 1.2) -> float:
     its ttl and, for an elector on a member, 0.9 x the member's ttl (the member's
     ``idle_session_timeout``). Returns the seconds paused."""
     from .elector.elector import Elector
-    from .member.member import Member
+    from .member import Member
 
     inner = _unwrap(obj)
     if not isinstance(inner, Elector | Member):

@@ -39,7 +39,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._core import errmap as _errmap
@@ -65,7 +64,10 @@ from ..leases.tenure import Doorbell, Tenure, renew_once
 from ..observability import metrics
 
 if TYPE_CHECKING:
-    from ..member.member import Member
+    from ..member import Member
+
+from .campaign import _SessionLost, campaign
+from .resign import LeaderChanged, request_resign
 
 __all__ = ["Elector", "LeaderChanged", "request_resign"]
 
@@ -86,42 +88,7 @@ RESIGN_TIMEOUT = CLEANUP_TIMEOUT
 LEAD_EXIT_TIMEOUT = CLEANUP_TIMEOUT
 
 
-class _SessionLost(Exception):
-    pass
 
-
-@dataclass(frozen=True)
-class LeaderChanged:
-    """A change of leader seen by ``Elector.watch()``: the new holder (None when
-    the lease was released) and the fence of the term."""
-
-    holder: str | None
-    fence: int
-
-
-async def request_resign(source: Any, name: str) -> bool:
-    """Ask the current leader of ``name`` to step down gracefully (for deploys).
-    ``source``: a DSN, a ``Member``, or any async pool or engine pgcoord accepts.
-    True when there was a live leader to ask; it resigns at once if it listens
-    (it has a session), else at its next renewal."""
-    name = validate_name(name)
-    from ..member.member import Member
-
-    if isinstance(source, Member):
-        await source.wait_joined()
-        return bool(await source._call(query("lease_request_resign"), name))
-    if isinstance(source, str):
-        conn = await DsnSource(source, None, keepalive=10.0).open()
-        try:
-            with _errmap.schema_missing_raised():
-                return bool(await conn.fetchval(query("lease_request_resign"), name))
-        finally:
-            await finish_despite_cancel(conn.give_back())
-    from .._drivers import check_source, run_statement
-
-    check_source(source, need_async=True)
-    row = await run_statement(source, query("lease_request_resign"), (name,))
-    return bool(row and row[0])
 
 
 class Elector:
@@ -131,7 +98,7 @@ class Elector:
         self, dsn: str | Member, name: str, *, ttl: float = 10.0, holder: str | None = None,
         driver: str | None = None, application_name: str | None = None,
     ) -> None:
-        from ..member.member import Member
+        from ..member import Member
 
         self._member: Member | None = None
         if isinstance(dsn, Member):
@@ -322,97 +289,10 @@ class Elector:
                 raise _SessionLost(repr(exc)) from exc
             raise
 
-    # -- follower ----------------------------------------------------------------------
+    # -- follower: see campaign.py
 
     async def _campaign(self) -> tuple[int, bool, float]:
-        """Wait until this replica holds the lease: (fence, holds the doorbell, send time)."""
-        assert self._conn is not None
-        if self._member is not None:
-            return await self._campaign_on_member()
-        bell = self._bell
-        assert bell is not None
-        while True:
-            rang = False
-            if not self.polling:
-                # Block on the leader's doorbell, looking at the lease at least
-                # once a ttl in case a leader leads without one.
-                wait = query("advisory_timeout").format(
-                    fn="pg_advisory_lock", key=self._doorbell, timeout_ms=self._ttl_ms)
-                try:
-                    await self._call_execute(wait)
-                    bell.rang()
-                    rang = True
-                except Exception as exc:
-                    if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
-                        raise
-                    # The leader may have gone just after the wait gave up: take
-                    # the bell now if it is free, so that a lease won here is
-                    # tied to this session (and a crash of ours is heard at once).
-                    rang = await bell.ring()
-            sent = time.monotonic()
-            fence = await self._call(query("lease_acquire"), self.name, self.holder, self._ttl_ms,
-                                     self._conn.backend_pid if rang else None)
-            if fence is not None:
-                return int(fence), rang, sent
-            if rang:  # the bell was free but someone leads without it: let it go
-                await bell.unring()
-            # After a doorbell wait that timed out, wait on it again at once: a
-            # pause here would be a window in which a leader's death goes unheard.
-            if self.polling or rang:
-                await asyncio.sleep(self.ttl / 3 * random.uniform(0.8, 1.0))
-
-    async def _campaign_on_member(self) -> tuple[int, bool, float]:
-        """As ``_campaign``, on a shared session: try the bell, never wait on it;
-        between tries wait for news (a member gone, the lease released or taken)
-        or a third of a ttl.
-
-        While another session holds the bell, a contender is mid-attempt or a
-        leader lives: the lease is not asked for then, so that it is never taken
-        unbound (with no session to tie it to) in a race with that contender.
-        Only after a third of a ttl without news is it asked for without the
-        bell, for a lease whose bell is held by a session that no longer renews
-        it (the lease expires)."""
-        conn, bell = self._conn, self._bell
-        assert conn is not None and bell is not None and self._lost is not None
-        quiet = False
-        while True:
-            self._news.clear()  # before looking, so news that comes meanwhile is kept
-            rang = False
-            if not self.polling:
-                rang = await bell.ring()
-            if rang or self.polling or quiet:
-                sent = time.monotonic()
-                try:
-                    fence = await self._call(query("lease_acquire"), self.name, self.holder,
-                                             self._ttl_ms, conn.backend_pid if rang else None)
-                except Exception as exc:
-                    # The row is held FOR SHARE by a fenced transaction: busy, not
-                    # a reason to stall the member's session (lock_timeout on it).
-                    if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
-                        raise
-                    fence = None
-                if fence is not None:
-                    if not rang and not self.polling:
-                        rang = await bell.bind(self.name, self.holder, int(fence))
-                    return int(fence), rang, sent
-                if rang:
-                    await bell.unring()
-            lost = asyncio.ensure_future(self._lost.wait())
-            news = asyncio.ensure_future(self._news.wait())
-            try:
-                await asyncio.wait({lost, news}, timeout=self.ttl / 3 * random.uniform(0.8, 1.0),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
-                news.cancel()
-            if self._lost.is_set():
-                raise _SessionLost("the member's session was lost")
-            quiet = not self._news.is_set()
-            if not quiet:
-                # News: whoever held the bell is letting go of it (a contender
-                # that lost, a leader resigning or gone): look again in a moment
-                # rather than at the next news.
-                await asyncio.sleep(random.uniform(0.002, 0.01))
+        return await campaign(self)
 
     async def _call_execute(self, sql: str) -> None:
         conn = self._conn

@@ -66,7 +66,7 @@ from ..observability import metrics
 from .carrier import Carrier
 
 if TYPE_CHECKING:
-    from ..member.member import Member
+    from ..member import Member
     from .semaphore import HeldSemaphore
 
 __all__ = ["HeldLock", "LockHolder"]
@@ -130,7 +130,7 @@ class LockHolder:
         self.max_wait_connections = max_wait_connections
         self.defer_unlocks = bool(defer_unlocks)
         self._cleanup_bound = min(CLEANUP_TIMEOUT, max(1.0, self.keepalive))
-        from ..member.member import Member
+        from ..member import Member
 
         # Given a Member, the main connection is the member's session (locks that
         # are free when asked for cost no connection at all); locks that must wait

@@ -49,7 +49,7 @@ from .fence import check_fence as check_fence
 from .tenure import Doorbell, Tenure, keep_renewed, trust_margin
 
 if TYPE_CHECKING:
-    from ..member.member import Member, MemberSession
+    from ..member import Member, MemberSession
 
 __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
@@ -378,7 +378,7 @@ class Lease:
         """The member's session, once it has one: ``wait`` and ``timeout`` hold for
         this wait as for the lease itself (a member that is joining again cannot
         take a lease tied to it)."""
-        from ..member.member import SessionLost
+        from ..member import SessionLost
 
         member = self._member
         assert member is not None
@@ -405,7 +405,7 @@ class Lease:
                        deadline: float | None) -> tuple[Any, ...] | None:
         """One try at the lease: the doorbell first (with a member), then the row.
         Whatever way this ends without the lease, the doorbell it rang is dropped."""
-        from ..member.member import SessionLost
+        from ..member import SessionLost
 
         bound = BUSY_ROW_WAIT
         if wait:  # a fenced transaction may hold the row a while: wait for it, within limits

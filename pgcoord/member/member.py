@@ -34,193 +34,34 @@ import datetime as dt
 import functools
 import json
 import logging
-import math
-import os
-import socket
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .._core import errmap as _errmap
 from .._core.aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
 from .._drivers.listen import listen
-from ..errors import PgcoordError, SchemaMissing
+from ..errors import SchemaMissing
+from .info import (
+    MemberChange,
+    MemberInfo,
+    MemberJoined,
+    MemberLeft,
+    NameTaken,
+    _add_hook,
+    _as_reason,
+    _info,
+    _validate,
+)
+from .session import MemberSession, SessionLost
 
-__all__ = [
-    "Member", "MemberInfo", "MemberJoined", "MemberLeft", "MemberSession", "MemberWatch", "SessionLost",
-]
+__all__ = ["Member", "MemberWatch"]
 
 log = logging.getLogger("pgcoord.member")
 
 CHANNEL = "pgcoord_members"
 
-
-@dataclass(frozen=True)
-class MemberInfo:
-    """One live member as the database records it."""
-
-    id: int
-    name: str
-    group: str
-    meta: dict[str, Any] = field(compare=False)
-    joined_at: dt.datetime = field(compare=False)
-
-
-@dataclass(frozen=True)
-class MemberJoined:
-    member: MemberInfo
-
-
-@dataclass(frozen=True)
-class MemberLeft:
-    member: MemberInfo
-    #: ``left`` (it said goodbye), ``crashed`` (its session ended while it was
-    #: heartbeating), ``silent`` (it had stopped heartbeating first: paused, cut off).
-    reason: Literal["left", "crashed", "silent"]
-
-
-MemberChange = MemberJoined | MemberLeft
-
-
-class NameTaken(PgcoordError):
-    """A live member of this group already has this name."""
-
-
-def _default_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def _validate(group: Any, name: Any, meta: Any, ttl: Any) -> tuple[str, str, str, float]:
-    if not isinstance(group, str) or not group:
-        raise ValueError("group must be a non-empty str")
-    if name is None:
-        name = _default_name()
-    if not isinstance(name, str) or not name:
-        raise ValueError("name must be a non-empty str or None")
-    if meta is None:
-        meta = {}
-    if not isinstance(meta, dict):
-        raise TypeError(f"meta must be a dict, not {type(meta).__name__}")
-    try:
-        meta_json = json.dumps(meta)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"meta must be JSON-serialisable: {exc}") from None
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl < 1.0:
-        raise ValueError(f"ttl must be at least 1 s, got {ttl}")
-    return group, name, meta_json, float(ttl)
-
-
-def _info(row: dict[str, Any]) -> MemberInfo:
-    return MemberInfo(
-        id=int(row["id"]), name=str(row["name"]), group=str(row["group"]),
-        meta=dict(row["meta"] or {}), joined_at=dt.datetime.fromisoformat(row["joined_at"]),
-    )
-
-
-def _add_hook(hooks: list[Callable[[int], None]], hook: Callable[[int], None]) -> Callable[[], None]:
-    hooks.append(hook)
-
-    def remove() -> None:
-        if hook in hooks:
-            hooks.remove(hook)
-
-    return remove
-
-
-def _as_reason(reason: str) -> Literal["left", "crashed", "silent"]:
-    return "left" if reason == "left" else "silent" if reason == "silent" else "crashed"
-
-
-class SessionLost(Exception):
-    """The member's session is gone (internal: features map it to their own
-    errors; it carries no SQLSTATE, so ``_errmap.session_gone`` says yes)."""
-
-
-class MemberSession(HolderConnection):
-    """A member's main session seen as one feature's connection: statements go
-    through the member (serialised with everyone else's), ``on_lost`` fires when
-    this incarnation of the session ends, and the feature never closes it. Keys
-    the feature records in ``owned`` are unlocked when it lets go (``close_now``)."""
-
-    def __init__(self, member: Member, incarnation: int, main: HolderConnection) -> None:
-        self._member = member
-        self._incarnation = incarnation
-        self._main = main
-        self.conn = main.conn
-        self.backend_pid = main.backend_pid
-        self.owned: collections.Counter[tuple[int, bool]] = collections.Counter()
-        self._unhooks: list[Callable[[], None]] = []
-        self._dropped = False
-
-    def _check(self) -> None:
-        if self._dropped or self._member.id != self._incarnation:
-            raise SessionLost("this member session has ended")
-
-    async def fetchval(self, sql: str, *args: Any) -> Any:
-        self._check()
-        return await self._member._call(sql, *args)
-
-    async def fetchrow(self, sql: str, *args: Any) -> tuple[Any, ...] | None:
-        self._check()
-        row = await self._member._call(sql, *args, how="row")
-        return None if row is None else tuple(row)
-
-    async def execute(self, sql: str) -> None:
-        self._check()
-        await self._member._call(sql, how="exec")
-
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        incarnation = self._incarnation
-
-        def hook(old_id: int) -> None:
-            if old_id == incarnation:
-                callback()
-
-        self._unhooks.append(self._member.on_session_lost(hook))
-        if self._member.id != incarnation:
-            callback()
-
-    def announced_pid(self) -> int | None:
-        return self._main.announced_pid()
-
-    def unlock_later(self, key: int, count: int = 1) -> None:
-        """Unlock ``key`` (``count`` levels) in the background, if this incarnation of
-        the session still lives (else it went with the session)."""
-        if self._member.id == self._incarnation:
-            self._member._spawn(
-                self._member._unlock_owned(self._incarnation, collections.Counter({(key, False): count})),
-                f"pgcoord-member-release:{self._member.name}")
-
-    def terminate(self) -> None:
-        """Let go without waiting: the member's session stays; keys this feature
-        owned are unlocked in the background."""
-        if self._dropped:
-            return
-        self._dropped = True
-        for unhook in self._unhooks:
-            unhook()
-        owned, self.owned = self.owned, collections.Counter()
-        if owned and self._member.id == self._incarnation:
-            self._member._spawn(self._member._unlock_owned(self._incarnation, owned),
-                                f"pgcoord-member-release:{self._member.name}")
-
-    def abort(self) -> None:
-        """A statement of ours got no answer within its bound. On a shared session
-        that usually means it queued behind another feature's statement, not that
-        the session is dead: the feature lets go, and the member's own bounded
-        heartbeat decides whether the session is still usable."""
-        self.terminate()
-
-    async def close_now(self) -> None:
-        self.terminate()
-
-    async def give_back(self) -> None:
-        self.terminate()
 
 
 class Member:

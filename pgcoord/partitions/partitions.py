@@ -48,12 +48,12 @@ from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from ..keys import lock_key
 from ..leases.lease import validate_ttl
 from ..leases.tenure import trusted_until
-from ..member.member import SessionLost
+from ..member import SessionLost
 from ..observability import metrics
 from .assignment import balanced
 
 if TYPE_CHECKING:
-    from ..member.member import Member, MemberSession
+    from ..member import Member, MemberSession
 
 __all__ = ["Partition", "Partitions"]
 
@@ -118,7 +118,7 @@ _running_on: weakref.WeakKeyDictionary[Member, set[str]] = weakref.WeakKeyDictio
 
 
 def _validate(member: Any, name: Any, count: Any) -> None:
-    from ..member.member import Member
+    from ..member import Member
 
     if not isinstance(member, Member):
         raise TypeError(f"Partitions takes a pgcoord.Member, not {type(member).__name__}")

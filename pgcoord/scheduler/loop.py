@@ -42,7 +42,7 @@ from .runs import Runs
 from .store import Store, refuse_shared_connection
 
 if TYPE_CHECKING:
-    from ..member.member import Member
+    from ..member import Member
     from .schedules import ScheduleInfo
 
 __all__ = ["Scheduler"]

@@ -20,7 +20,7 @@ from .runs import Runs
 from .store import Store
 
 if TYPE_CHECKING:
-    from ..member.member import Member
+    from ..member import Member
 
 log = logging.getLogger("pgcoord.scheduler")
 

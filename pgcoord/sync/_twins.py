@@ -121,7 +121,7 @@ class Member(_Twin):
     ``watch()`` is an iterator that blocks for the next change."""
 
     def __init__(self, dsn: str, **options: Any) -> None:
-        from ..member.member import Member as AsyncMember
+        from ..member import Member as AsyncMember
 
         self._portal = portal()
         self._async = _on_portal(self._portal, lambda: AsyncMember(dsn, **options))

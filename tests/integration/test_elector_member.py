@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import pgcoord
-from pgcoord.elector.elector import LeaderChanged, request_resign
+from pgcoord.elector import LeaderChanged, request_resign
 
 from .conftest import sql
 

@@ -18,7 +18,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord.member.member import NameTaken
+from pgcoord.member import NameTaken
 
 from .conftest import sql
 
