@@ -59,7 +59,7 @@ from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction
 from .._drivers.listen import listen
 from ..errors import PgcoordError, SchemaMissing
 from ..keys import lock_key
-from ..leases.lease import lock_timeout_setting, validate_holder, validate_name, validate_ttl
+from ..leases.statements import lock_timeout_setting, validate_holder, validate_name, validate_ttl
 from ..leases.tenure import Doorbell, Tenure, renew_once
 from ..observability import metrics
 

@@ -10,7 +10,7 @@ from .._core import errmap as _errmap
 from .._core.aio import finish_despite_cancel
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource
-from ..leases.lease import validate_name
+from ..leases.statements import validate_name
 
 
 @dataclass(frozen=True)

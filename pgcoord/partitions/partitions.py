@@ -45,7 +45,7 @@ from .._core.aio import RECANCEL_EVERY, Backoff, finish_despite_cancel
 from .._core.queries import query
 from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from ..keys import lock_key
-from ..leases.lease import validate_ttl
+from ..leases.statements import validate_ttl
 from ..leases.tenure import trusted_until
 from ..member import SessionLost
 from ..observability import metrics

@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import pgcoord
 import pgcoord.migrations
 from pgcoord.leases import lease as leases
+from pgcoord.leases import statements
 from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import sql, unique
@@ -331,9 +332,9 @@ async def test_a_lease_refuses_a_pool_of_one_connection(dsn: str) -> None:
 def test_the_sqlalchemy_pool_capacity_is_read_where_pgcoord_expects_it() -> None:
     """Guard for the one private attribute read: QueuePool's _max_overflow."""
     engine = create_async_engine("postgresql+asyncpg://u@127.0.0.1:1/x", pool_size=3, max_overflow=4)
-    assert leases._pool_capacity(engine) == 7
+    assert statements._pool_capacity(engine) == 7
     unbounded = create_async_engine("postgresql+asyncpg://u@127.0.0.1:1/x", max_overflow=-1)
-    assert leases._pool_capacity(unbounded) is None
+    assert statements._pool_capacity(unbounded) is None
 
 
 @pytest.mark.parametrize("kind", ASYNC_POOLS)
