@@ -11,7 +11,7 @@ then a replacement joins and the next round starts once everyone has seen it.
 Failover of 20 electors: two processes each run 20 electors (ttl 30 s); the
 first leads all 20; it is SIGKILLed and the time to each lease's new leader is
 taken, for electors on a Member and, as the baseline in the same run, electors
-with a session each (the doorbell design of DESIGN §3).
+with a session each (the doorbell design of docs/leases.md).
 
 Connections: what one process holds open for 20 electors and a LockHolder with
 200 locks, with a Member and without.

@@ -271,12 +271,17 @@ class AsyncSQLAlchemySession(AsyncTxSession):
         if self._tx is not None:
             await self._tx.commit()
             self._tx = None
+        await self._end_driver_transactions("commit")
+
+    async def _end_driver_transactions(self, how: str) -> None:
+        """Commit or roll back (``how``) what was opened under SQLAlchemy, on the driver:
+        a transaction adopted from the driver connection, then the one-trip one."""
         adopted, self._adopted = self._adopted, None
         if adopted is not None and _still_open(self._driver):
-            _adapter_failed(type(self._adapter), "COMMIT")
-            await adopted.commit()
-        if self._trip is not None:
-            await self._trip.commit()
+            _adapter_failed(type(self._adapter), how.upper())
+            await getattr(adopted, how)()
+        if self._trip is not None:  # kept until it ended: a failed COMMIT is rolled back next
+            await getattr(self._trip, how)()
             self._trip = None
 
     async def rollback(self) -> None:
@@ -297,13 +302,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             await tx.rollback()
         elif self.conn.in_transaction():
             await self.conn.rollback()  # one the body began after ending ours
-        adopted, self._adopted = self._adopted, None
-        if adopted is not None and _still_open(self._driver):
-            _adapter_failed(type(self._adapter), "ROLLBACK")
-            await adopted.rollback()
-        if self._trip is not None:
-            await self._trip.rollback()
-            self._trip = None
+        await self._end_driver_transactions("rollback")
 
     async def discard(self) -> None:
         self._tx = self._trip = self._unregistered = self._adopted = None

@@ -1,4 +1,4 @@
-"""``pgcoord doctor``: checks a deployment against what pgcoord relies on (DESIGN §10).
+"""``pgcoord doctor``: checks a deployment against what pgcoord relies on (docs/operations.md).
 
 Each check is data, a :class:`Check` (name, status ``pass``/``warn``/``fail``, what was
 found, and one line saying what to do), so the command can print them as a table or as
@@ -28,7 +28,7 @@ from .._drivers.protocol import DedicatedSession
 PASS, WARN, FAIL = "pass", "warn", "fail"
 EXIT_STATUS = {PASS: 0, WARN: 1, FAIL: 2}
 
-MIN_SERVER, NEWEST_TESTED = 140000, 18  # PostgreSQL 14 .. 18 (DESIGN: Scope)
+MIN_SERVER, NEWEST_TESTED = 140000, 18  # PostgreSQL 14 .. 18 (CONTRIBUTING.md, supported versions)
 SKEW_WARN, SKEW_FAIL = 1.0, 30.0  # seconds between this host's clock and the server's
 # Seconds a standby's clock may be ahead of the primary's: after a failover it expires
 # leases that much early. A leader's trust window ends 10% of its ttl (at most 1 s)
@@ -344,7 +344,7 @@ def add_parser(sub: Any, parents: list[Any], default_dsn: str | None) -> None:
     """``pgcoord doctor``, for ``cli.build_parser()``."""
     import argparse
 
-    doctor = sub.add_parser("doctor", parents=parents, help="check a deployment (DESIGN §10)",
+    doctor = sub.add_parser("doctor", parents=parents, help="check a deployment (docs/operations.md)",
                             epilog=DOCTOR_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     doctor.add_argument("--dsn", default=default_dsn,
                         help="database URL or key=value string, multi-host allowed "

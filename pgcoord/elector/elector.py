@@ -60,7 +60,7 @@ from .._drivers.listen import listen
 from ..errors import PgcoordError, SchemaMissing
 from ..keys import lock_key
 from ..leases.statements import lock_timeout_setting, validate_holder, validate_name, validate_ttl
-from ..leases.tenure import Doorbell, Tenure, renew_once
+from ..leases.tenure import Doorbell, Renewal, Tenure, renew_once
 from ..observability import metrics
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ LEAD_EXIT_TIMEOUT = CLEANUP_TIMEOUT
 
 
 class Elector:
-    """Run ``lead(fence)`` on exactly one replica at a time; see DESIGN §3."""
+    """Run ``lead(fence)`` on exactly one replica at a time; see docs/leases.md."""
 
     def __init__(
         self, dsn: str | Member, name: str, *, ttl: float = 10.0, holder: str | None = None,
@@ -335,6 +335,8 @@ class Elector:
         async def renew() -> Any:
             return await self._call(query("lease_renew_resign"), self.name, self.holder, fence, self._ttl_ms)
 
+        renewal = Renewal(renew, every=every, retry_every=self.ttl / 10, abandon=self._abandon_session,
+                          fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
         try:
             while True:
                 timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
@@ -360,10 +362,7 @@ class Elector:
                     continue
                 # A session that cannot renew in time is of no more use: cut it
                 # (abandon) rather than wait for the cancelled statement.
-                next_renewal, asked = await renew_once(
-                    tenure, renew, every=every, retry_every=self.ttl / 10,
-                    abandon=self._abandon_session,
-                    fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
+                next_renewal, asked = await renew_once(tenure, renewal)
                 if tenure.lost is not None:
                     reason = tenure.lost
                     break

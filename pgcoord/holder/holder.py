@@ -80,7 +80,7 @@ def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) 
 
 
 class LockHolder:
-    """Session advisory locks held on dedicated connections; see DESIGN §2.
+    """Session advisory locks held on dedicated connections; see docs/lockholder.md.
 
     ``LockHolder(dsn)`` owns its connections; ``LockHolder(pool)`` borrows them
     from an asyncpg ``Pool``, a psycopg ``AsyncConnectionPool`` or a SQLAlchemy

@@ -1,5 +1,5 @@
 """``check_fence``: a fenced write's guard, in the writer's own transaction; see
-DESIGN §3.
+docs/leases.md.
 
 The check locks the lease's row ``FOR SHARE`` in the caller's transaction, so a
 takeover waits until that transaction ends; the SQL function raises SQLSTATE

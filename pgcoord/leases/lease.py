@@ -40,7 +40,7 @@ from ..errors import LeaseLost, LockBusy, LockTimeout, PgcoordError
 from ..observability import metrics
 from .fence import SQLSTATE_STALE_FENCE as SQLSTATE_STALE_FENCE
 from .fence import check_fence as check_fence
-from .tenure import Doorbell, Tenure, keep_renewed, trust_margin
+from .tenure import Doorbell, Renewal, Tenure, keep_renewed, trust_margin
 
 if TYPE_CHECKING:
     from ..member import Member, MemberSession
@@ -383,8 +383,8 @@ class Lease:
                 ": the pool had no free connection for it meanwhile (does the body hold "
                 "them all? a pool of one more connection than the body uses would do)")
 
-        await keep_renewed(tenure, renew, every=self._window / 3, retry_every=self.ttl / 10,
-                           abandon=lambda: statement.abandon(), starved=starved)
+        await keep_renewed(tenure, Renewal(renew, every=self._window / 3, retry_every=self.ttl / 10,
+                                           abandon=lambda: statement.abandon(), starved=starved))
 
     def _on_lost(self, reason: str) -> None:
         metrics.lock_lost(self.name, reason)

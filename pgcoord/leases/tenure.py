@@ -27,6 +27,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .._core.aio import consume_result
@@ -124,30 +125,36 @@ class Tenure:
         return True
 
 
-async def keep_renewed(
-    tenure: Tenure,
-    renew: Callable[[], Awaitable[Any]],
-    *,
-    every: float,
-    retry_every: float,
-    abandon: Callable[[], None] | None = None,
-    fatal: Callable[[BaseException], bool] | None = None,
-    on_renewed: Callable[[Any], None] | None = None,
-    starved: Callable[[], str] | None = None,
-) -> None:
-    """Renew ``tenure`` every ``every`` seconds until it is lost (or this task is
-    cancelled, by a release): ``renew_once`` in a loop, for a holder whose renewals
-    run in a task of their own (a ``Lease``). A renewal in flight when this is
-    cancelled is cancelled and abandoned."""
-    next_at = tenure.renewed_at + every
+@dataclass(frozen=True)
+class Renewal:
+    """How a holding is renewed. ``renew()`` returns None when the row is no longer
+    ours (expired or taken over) and anything else when renewed. It runs every
+    ``every`` seconds; one that raises is tried again ``retry_every`` seconds later
+    while the trust window is open, unless ``fatal(error)`` says it cannot succeed; one
+    that has not answered when the window closes is given up on (``abandon()`` cuts its
+    connection) and the tenure is lost (``starved()`` may add why)."""
+
+    renew: Callable[[], Awaitable[Any]]
+    every: float
+    retry_every: float
+    abandon: Callable[[], None] | None = None
+    fatal: Callable[[BaseException], bool] | None = None
+    starved: Callable[[], str] | None = None
+
+
+async def keep_renewed(tenure: Tenure, how: Renewal,
+                       on_renewed: Callable[[Any], None] | None = None) -> None:
+    """Renew ``tenure`` until it is lost (or this task is cancelled, by a release):
+    ``renew_once`` in a loop, for a holder whose renewals run in a task of their own
+    (a ``Lease``). A renewal in flight when this is cancelled is cancelled and
+    abandoned."""
+    next_at = tenure.renewed_at + how.every
     try:
         while tenure.lost is None:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             if tenure.lost is not None:
                 return
-            next_at, result = await renew_once(
-                tenure, renew, every=every, retry_every=retry_every, abandon=abandon, fatal=fatal,
-                starved=starved, abandon_on_cancel=True)
+            next_at, result = await renew_once(tenure, how, abandon_on_cancel=True)
             if result is not None and on_renewed is not None:
                 on_renewed(result)
     except Exception as exc:
@@ -157,28 +164,14 @@ async def keep_renewed(
         tenure.lose(f"the renewal loop failed: {exc!r}")
 
 
-async def renew_once(
-    tenure: Tenure,
-    renew: Callable[[], Awaitable[Any]],
-    *,
-    every: float,
-    retry_every: float,
-    abandon: Callable[[], None] | None = None,
-    fatal: Callable[[BaseException], bool] | None = None,
-    starved: Callable[[], str] | None = None,
-    abandon_on_cancel: bool = False,
-) -> tuple[float, Any]:
-    """One renewal of ``tenure``, bounded by its trust window; returns when the next
-    one is due and what ``renew()`` returned (None unless renewed).
-
-    ``renew()`` returns None when the row is no longer ours (expired or taken over)
-    and anything else when renewed. A renewal that raises is tried again
-    ``retry_every`` seconds later while the trust window is open, unless
-    ``fatal(error)`` says it cannot succeed; one that has not answered when the
-    window closes is given up on (``abandon()`` cuts its connection) and the tenure
-    is lost (``starved()`` may add why). After a loss the next time is infinite.
-    Cancelled meanwhile, the renewal in flight is left to finish, unless
-    ``abandon_on_cancel`` (then it is cancelled and abandoned)."""
+async def renew_once(tenure: Tenure, how: Renewal, *,
+                     abandon_on_cancel: bool = False) -> tuple[float, Any]:
+    """One renewal of ``tenure`` as ``how`` says, bounded by its trust window; returns
+    when the next one is due (infinite after a loss) and what ``renew()`` returned
+    (None unless renewed). Cancelled meanwhile, the renewal in flight is left to
+    finish, unless ``abandon_on_cancel`` (then it is cancelled and abandoned)."""
+    renew, every, retry_every = how.renew, how.every, how.retry_every
+    abandon, fatal, starved = how.abandon, how.fatal, how.starved
     sent = time.monotonic()
     attempt = asyncio.ensure_future(renew())
     try:

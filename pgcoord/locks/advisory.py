@@ -108,7 +108,7 @@ def exclusive(
     source: Any, key: LockKeyLike, *, wait: bool = True, timeout: float | None = None,
     shared: bool = False,
 ) -> ExclusiveLock:
-    """A transaction-scoped advisory lock on ``key``; see DESIGN §1.
+    """A transaction-scoped advisory lock on ``key``; see docs/exclusive.md.
 
     ``async with`` for asyncpg, psycopg async and SQLAlchemy async sources,
     ``with`` for psycopg and SQLAlchemy sync sources. Yields the driver's own

@@ -1,5 +1,5 @@
 """``semaphore()``: at most ``limit`` holders of a name across every process,
-transaction-scoped; see DESIGN §8.
+transaction-scoped; see docs/semaphores.md.
 
 A semaphore is ``limit`` *lanes*, the two-int advisory locks ``(k, 0) ..
 (k, limit-1)`` with ``k = semaphore_key(name)`` (sql/0005_semaphores.up.sql). A
@@ -140,7 +140,7 @@ class SemaphoreRequest:
 def semaphore(
     source: Any, name: str, *, limit: int, wait: bool = True, timeout: float | None = None,
 ) -> Semaphore:
-    """One of ``limit`` slots of semaphore ``name``, held by a transaction; see DESIGN §8.
+    """One of ``limit`` slots of semaphore ``name``, held by a transaction; see docs/semaphores.md.
 
     ``async with`` for asyncpg, psycopg async and SQLAlchemy async sources, ``with``
     for psycopg and SQLAlchemy sync sources, as ``exclusive()``. Yields the driver's

@@ -65,7 +65,7 @@ CHANNEL = "pgcoord_members"
 
 
 class Member:
-    """One process's presence in a group; see DESIGN §6."""
+    """One process's presence in a group; see docs/members.md."""
 
     def __init__(
         self, dsn: str, *, group: str = "default", name: str | None = None,

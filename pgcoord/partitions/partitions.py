@@ -1,5 +1,5 @@
 """``Partitions``: N parts of work spread over the live members that take part, each
-part owned by one member at a time and fenced; see DESIGN §7.
+part owned by one member at a time and fenced; see docs/partitions.md.
 
 Each part ``"<name>/<index>"`` is a row of ``pgcoord.leases``: its fence grows on
 every change of owner, so ``check_fence(conn, part.name, part.fence)`` rejects a

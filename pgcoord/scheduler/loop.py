@@ -55,7 +55,7 @@ ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
 
 
 class Scheduler:
-    """Run-once cron across every replica that runs the same code; see DESIGN §4 and §9.
+    """Run-once cron across every replica that runs the same code (docs/scheduler.md, docs/schedules.md).
 
     Schedules are rows of ``pgcoord.schedules``: those declared in code with
     ``@sched.cron`` (written at ``run()``'s start) and those added at run time
@@ -170,7 +170,7 @@ class Scheduler:
             raise ValueError(f"no schedule named {job!r} whose handler is registered on this replica")
         return spec
 
-    # -- schedules at run time (DESIGN §9); usable without run() -------------------------
+    # -- schedules at run time (docs/schedules.md); usable without run() -------------------------
 
     async def add(self, name: str, expr: str, *, handler: str, tz: str = "UTC",
                   args: Any = None, paused: bool = False, on_crash: str = "skip",

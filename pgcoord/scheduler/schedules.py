@@ -1,4 +1,4 @@
-"""Schedules as data (DESIGN §9): the rows of ``pgcoord.schedules`` and the calls
+"""Schedules as data (docs/schedules.md): the rows of ``pgcoord.schedules`` and the calls
 that change them — add, update, pause, resume, remove — checked here, at the
 call, so that a replica never meets a schedule it cannot read.
 

@@ -1,4 +1,4 @@
-"""One replica for the schedules tests (DESIGN §9), run as its own process.
+"""One replica for the schedules tests (docs/schedules.md), run as its own process.
 
     python schedules_replica.py DSN LABEL HANDLERS [member] [churn NAME]
 

@@ -1,4 +1,4 @@
-"""exclusive() on every async source: DESIGN §1 checked against a real server."""
+"""exclusive() on every async source: docs/exclusive.md checked against a real server."""
 
 from __future__ import annotations
 

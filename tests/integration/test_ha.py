@@ -6,7 +6,7 @@ Member, two LockHolders holding a lock each, a Lease holder making fenced writes
 and a per-second scheduler job, all on multi-host DSNs with
 ``target_session_attrs=read-write``. Mid-run the primary stops at once (SIGQUIT)
 and the standby is promoted (``pg_ctl promote``). Each test below checks one
-promise of DESIGN §10 against what the replicas printed and what the new primary
+promise of docs/operations.md against what the replicas printed and what the new primary
 holds. The asynchronous standby's failure is shown in test_ha_async.py.
 """
 

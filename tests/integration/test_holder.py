@@ -1,4 +1,4 @@
-"""LockHolder: session locks on dedicated connections (DESIGN §2), on a real server."""
+"""LockHolder: session locks on dedicated connections (docs/lockholder.md), on a real server."""
 
 from __future__ import annotations
 

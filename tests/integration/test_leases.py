@@ -1,4 +1,4 @@
-"""Leases, fences and check_fence (DESIGN §3) on a real server."""
+"""Leases, fences and check_fence (docs/leases.md) on a real server."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler (DESIGN §4) in one process: slots, catch-up, overlap, crashes, DST, retention."""
+"""Scheduler (docs/scheduler.md) in one process: slots, catch-up, overlap, crashes, DST, retention."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Schedules at runtime (DESIGN §9) in one process: add, update, pause, resume,
+"""Schedules at runtime (docs/schedules.md) in one process: add, update, pause, resume,
 remove, timeout, backfill, alerts, the SQL functions and the CLI."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Schedules at runtime with real replica processes (DESIGN §9): handlers that
+"""Schedules at runtime with real replica processes (docs/schedules.md): handlers that
 only some replicas have, changes while replicas run, and a replica SIGKILLed in
 the middle of applying changes."""
 
@@ -155,7 +155,7 @@ async def test_changes_while_replicas_run_keep_exactly_once_and_a_row_per_slot(
     assert seconds_of(new) == list(range(seconds_of(new)[0], seconds_of(new)[-1] + 1, 2))
     first_new = next(r for r in ran if r[0] > changed)
     assert '"phase": 2' in first_new[2]
-    # Each replica applied the change within a second (DESIGN §9): its first slot
+    # Each replica applied the change within a second (docs/schedules.md): its first slot
     # of the new expression started at most 1 s after it was due or after the
     # change, whichever is later (plus 0.3 s for a loaded host).
     for label, own_name in own.items():

@@ -1,4 +1,4 @@
-"""Semaphores (DESIGN §8): at most ``limit`` holders across processes, in both
+"""Semaphores (docs/semaphores.md): at most ``limit`` holders across processes, in both
 scopes; waiting is event-driven; every connection goes back clean."""
 
 from __future__ import annotations
