@@ -35,8 +35,9 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._core.aio import (
     CLEANUP_TIMEOUT,
@@ -73,10 +74,20 @@ __all__ = ["HeldLock", "LockHolder"]
 
 log = logging.getLogger("pgcoord.session")
 
+T = TypeVar("T")
+
 @functools.lru_cache(maxsize=4096, typed=True)
 def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
     """Requests are immutable and services reuse their keys: validate each once."""
     return LockRequest(key, wait=wait, timeout=timeout, shared=shared, scope="session")
+
+
+
+def _try_lock_with(request: Any) -> Callable[[Carrier], Awaitable[bool]]:
+    async def attempt(main: Carrier) -> bool:
+        return bool(await main.try_lock(request))
+
+    return attempt
 
 
 class LockHolder:
@@ -250,6 +261,29 @@ class LockHolder:
                 "transaction-mode pooler (the server session changed between statements). "
                 "Connect directly or through a session-mode pool."
             )
+
+    async def _on_main(self, what: str, request: Any,
+                       attempt: Callable[[Carrier], Awaitable[T]]) -> tuple[Carrier, T]:
+        """``attempt(main)`` on the main session; once more on a new session when the
+        session died under it (the try then holds nothing). A driver error of a live
+        session is the request's to translate."""
+        for tries in (1, 2):
+            main = self._main
+            if main is None or main.lost or not self._open:
+                main = await self._main_carrier()
+            try:
+                return main, await attempt(main)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not main.lost:
+                    if isinstance(exc, PgcoordError):
+                        raise
+                    request.raise_translated(exc)
+                if tries == 2:
+                    raise LockLost(f"the LockHolder's session was lost while taking {what}: "
+                                   f"{main.lost_reason}") from exc
+        raise AssertionError("unreachable")
 
     async def _main_carrier(self) -> Carrier:
         if not self._open:
@@ -439,30 +473,8 @@ class HeldLock:
 
     async def _take(self, deadline: float | None) -> Carrier:
         holder, request = self.holder, self.request
-        main: Carrier | None = None
-        got = False
-        for attempt in (1, 2):
-            main = holder._main
-            if main is None or main.lost or not holder._open:
-                main = await holder._main_carrier()
-            try:
-                got = await main.try_lock(request)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not main.lost:
-                    if isinstance(exc, PgcoordError):
-                        raise
-                    request.raise_translated(exc)
-                if attempt == 2:
-                    raise LockLost(
-                        f"the LockHolder's session was lost while taking lock "
-                        f"{request.describe()}: {main.lost_reason}") from exc
-                # The session died under the try, which therefore holds nothing:
-                # try once more on a new session.
+        main, got = await holder._on_main(f"lock {request.describe()}", request, _try_lock_with(request))
         if got:
-            assert main is not None
             return main
         if not request.wait or request.timeout == 0:
             metrics.busy(request.metric_name)

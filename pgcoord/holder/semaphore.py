@@ -202,25 +202,7 @@ class HeldSemaphore:
 
     async def _take(self, deadline: float | None) -> tuple[Carrier, int]:
         holder, request = self.holder, self.request
-        lane: int | None = None
-        main: Carrier | None = None
-        for attempt in (1, 2):
-            main = holder._main
-            if main is None or main.lost or not holder._open:
-                main = await holder._main_carrier()
-            try:
-                lane = await self._try_on(main)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not main.lost:
-                    request.raise_translated(exc)
-                if attempt == 2:
-                    raise LockLost(f"the LockHolder's session was lost while taking "
-                                   f"{request.describe()}: {main.lost_reason}") from exc
-                # The session died under the try, which therefore holds nothing.
-        assert main is not None
+        main, lane = await holder._on_main(request.describe(), request, self._try_on)
         if lane is not None:
             return main, lane
         if not request.must_wait:
