@@ -79,7 +79,7 @@ def check() -> int:
 
 def show() -> int:
     sys.path.insert(0, str(ROOT))
-    from pgcoord._embedded import find_bindir
+    from pgcoord._core.embedded import find_bindir
 
     parts = [f"python {sys.version.split()[0]}"]
     for name in TRACKED:

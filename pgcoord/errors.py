@@ -1,7 +1,7 @@
 """The exceptions pgcoord raises.
 
 Each class's docstring is its default message. Driver exceptions are mapped to
-these at the boundary (see ``pgcoord._errmap``), so user code never has to catch
+these at the boundary (see ``pgcoord._core.errmap``), so user code never has to catch
 an asyncpg or psycopg class to handle a coordination outcome.
 """
 

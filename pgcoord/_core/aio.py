@@ -311,7 +311,7 @@ class Supervisor:
     def __init__(self, owner: str, logger: logging.Logger | None = None) -> None:
         self.owner = owner
         self._log = logger or log
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -325,9 +325,25 @@ class Supervisor:
         task.add_done_callback(consume_result if collected else self._report)
         return task
 
-    def _report(self, task: asyncio.Task[Any]) -> None:
+    def adopt(self, task: asyncio.Future[Any], *, collected: bool = False) -> None:
+        """Own a task started elsewhere (``asyncio.ensure_future`` of a cleanup, say)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(consume_result if collected else self._report)
+
+    def pending(self) -> list[asyncio.Future[Any]]:
+        """The tasks still running (for an owner that waits for them, bounded)."""
+        return [task for task in self._tasks if not task.done()]
+
+    def cancel(self) -> None:
+        """Cancel every task without waiting (from a synchronous unhook)."""
+        for task in self._tasks:
+            task.cancel()
+
+    def _report(self, task: asyncio.Future[Any]) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
-            self._log.error("%s: background task %s failed", self.owner, task.get_name(), exc_info=error)
+            name = task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+            self._log.error("%s: background task %s failed", self.owner, name, exc_info=error)
 
     async def stop(self) -> None:
         """Cancel every task and wait until each has ended (their errors are not raised)."""

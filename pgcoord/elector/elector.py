@@ -48,9 +48,9 @@ from .._core.aio import (
     Backoff,
     CleanupTimeout,
     Subscription,
+    Supervisor,
     absorb_cancel,
     cancel_until_done,
-    consume_result,
     finish_despite_cancel,
     keep_cancelling,
 )
@@ -125,7 +125,7 @@ class Elector:
         self._bell: Doorbell | None = None  # the doorbell on the current session
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
-        self._closing: set[asyncio.Future[Any]] = set()
+        self._closing = Supervisor(f"elector {name!r}", log)  # sessions cut, closing
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
         self._conn: HolderConnection | None = None
@@ -267,10 +267,7 @@ class Elector:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.abort()
-            closing = asyncio.ensure_future(conn.close_now())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            closing.add_done_callback(consume_result)
+            self._closing.spawn(conn.close_now(), f"pgcoord-elector-close:{self.name}", collected=True)
 
     async def _call(self, sql: str, *args: Any) -> Any:
         """A statement on the elector's session; ``_SessionLost`` when the session is gone."""

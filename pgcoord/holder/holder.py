@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
+    Supervisor,
     absorb_cancel,
-    consume_result,
     finish_despite_cancel,
 )
 from .._core.queries import query
@@ -162,7 +162,7 @@ class LockHolder:
         # member share its session, where locks are re-entrant: they share one FIFO.
         self._local: dict[int, collections.deque[asyncio.Future[None]] | None] = (
             {} if self._member is None else self._member.holder_queues)
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks = Supervisor("lock holder", log)  # deferred unlocks, discards
         self._open = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -200,7 +200,7 @@ class LockHolder:
                 carrier.mark_lost("the LockHolder was closed")
             else:
                 await self._retire(carrier)
-        tasks = [t for t in self._tasks if not t.done()]
+        tasks = self._tasks.pending()
         if tasks:
             try:
                 await finish_despite_cancel(asyncio.wait(tasks), bound=self._cleanup_bound)
@@ -222,9 +222,7 @@ class LockHolder:
                 await main._send_unlocks()
 
     def _track(self, task: asyncio.Future[Any]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(consume_result)
+        self._tasks.adopt(task, collected=True)
 
     @property
     def backend_pid(self) -> int | None:

@@ -6,7 +6,7 @@ takeover waits until that transaction ends; the SQL function raises SQLSTATE
 ``PC002`` for a fence that is stale, released or expired. ``pgcoord.leases``
 re-exports ``check_fence``. Running the check is the one step that differs
 between async and sync connections: its sync half is generated from the async
-one (``pgcoord._txscope``).
+one (``pgcoord.locks.txscope``).
 """
 
 from __future__ import annotations

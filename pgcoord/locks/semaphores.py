@@ -22,7 +22,7 @@ LISTENs, enters the *waiting room* (the shared session lock ``(k, -1)``, which
 ``pgcoord.holders`` shows as a waiter), takes a lane at session level when one is
 free, stops listening, and only then BEGINs and turns that lane into the
 transaction's. The connection goes back with no LISTEN, no lock and no
-transaction on every path. The ``async with`` half is in ``pgcoord._txscope``, and
+transaction on every path. The ``async with`` half is in ``pgcoord.locks.txscope``, and
 the ``with`` half (sync sources) is generated from it.
 """
 

@@ -4,7 +4,7 @@ Every signal is a structured log record on the ``pgcoord.metrics`` logger
 (fields in ``record.pgcoord``); when ``prometheus_client`` is installed, a
 Prometheus metric in its default registry; and when ``opentelemetry-api`` is
 installed, an OTel instrument and, for lock waits, leadership terms and slot
-runs, a span (``pgcoord._otel``), exported wherever the application's SDK sends
+runs, a span (``pgcoord.observability.otel``), exported wherever the application's SDK sends
 them. Labels are lease or lock *names*
 only, never keys or holders, so cardinality stays bounded by your code.
 """

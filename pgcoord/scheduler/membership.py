@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .._core.aio import consume_result
+from .._core.aio import Supervisor
 from . import schedules as _schedules
 from .runs import Runs
 from .store import Store
@@ -46,15 +46,13 @@ class MemberLink:
         member = self._member
         if member is None:
             return lambda: None
-        tasks: set[asyncio.Task[Any]] = set()
+        tasks = Supervisor("scheduler member link", log)
 
         def keep(task: asyncio.Task[Any]) -> None:
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            task.add_done_callback(consume_result)
+            tasks.adopt(task, collected=True)
 
         def spawn(coro: Coroutine[Any, Any, None]) -> None:
-            keep(asyncio.ensure_future(coro))
+            tasks.spawn(coro, "pgcoord-scheduler-member", collected=True)
 
         def on_left(member_id: int) -> None:
             spawn(self._expire_claims_of(member_id))
@@ -75,8 +73,7 @@ class MemberLink:
             unhook_left()
             unhook_lost()
             self._unlisten()
-            for task in tasks:
-                task.cancel()
+            tasks.cancel()
 
         return unhook
 

@@ -1,7 +1,7 @@
 """Transaction scope: ``exclusive()``, ``semaphore()`` and ``check_fence``.
 
-Each is one object for ``async with`` and ``with`` (``pgcoord.locks``,
-``pgcoord.semaphores``, ``pgcoord.fence``), made of two halves:
+Each is one object for ``async with`` and ``with`` (``pgcoord.locks.advisory``,
+``pgcoord.locks.semaphores``, ``pgcoord.leases.fence``), made of two halves:
 
 - ``_async/``, the one hand-written implementation, on ``AsyncTxSession``;
 - ``_sync/``, generated from it by tools/generate_sync.py (unasync), on

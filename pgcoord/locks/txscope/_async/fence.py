@@ -1,5 +1,5 @@
 """A half of ``check_fence``: async connections in ``_async/`` (written by hand), sync
-ones in ``_sync/`` (generated). It runs the check; ``pgcoord.fence`` judges it."""
+ones in ``_sync/`` (generated). It runs the check; ``pgcoord.leases.fence`` judges it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 # Generated from pgcoord/locks/txscope/_async/fence.py by tools/generate_sync.py: do not edit.
 """A half of ``check_fence``: async connections in ``_async/`` (written by hand), sync
-ones in ``_sync/`` (generated). It runs the check; ``pgcoord.fence`` judges it."""
+ones in ``_sync/`` (generated). It runs the check; ``pgcoord.leases.fence`` judges it."""
 
 from __future__ import annotations
 
