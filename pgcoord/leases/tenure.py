@@ -280,8 +280,10 @@ class Doorbell:
         if self.held:
             self.held = False
             self._booked(-1)
-            await asyncio.shield(asyncio.ensure_future(self._call(
-                query("advisory_call").format(fn="pg_advisory_unlock"), self.key)))
+            unlock = asyncio.ensure_future(self._call(
+                query("advisory_call").format(fn="pg_advisory_unlock"), self.key))
+            unlock.add_done_callback(consume_result)  # also when we stop waiting for it
+            await asyncio.shield(unlock)
 
     def drop(self) -> None:
         """Let go without waiting: what is still owed on a member's session is

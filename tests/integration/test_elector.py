@@ -181,6 +181,9 @@ async def test_behind_a_transaction_mode_pooler_it_leases_and_polls(dsn: str) ->
     try:
         async with replicas(bouncer.dsn(dsn), 2, ttl=1.0, driver="psycopg") as group:
             await until(lambda: len(leaders(group)) == 1, 10)
+            # The follower may still be connecting when the first replica leads: its
+            # mode is known once it has a session (seen failing once in CI, loaded).
+            await until(lambda: all(r.elector.polling is not None for r in group), 10)
             assert all(r.elector.polling for r in group)
             first = leaders(group)[0]
             await first.elector.stop()
