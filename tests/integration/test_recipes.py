@@ -73,7 +73,7 @@ async def test_celery_beat_replacement_enqueues_once_per_slot(pgcoord_dsn: str) 
     scheds = [make_scheduler(pool, expr="* * * * * *") for pool in pools]  # every second, 3 replicas
     runs = [asyncio.create_task(s.run()) for s in scheds]
     try:
-        await asyncio.sleep(4.5)
+        await asyncio.sleep(6.5)  # at least 3 slots even when the replicas start late (CI, loaded)
     finally:
         for s in scheds:
             await s.stop()
