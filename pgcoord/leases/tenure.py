@@ -26,9 +26,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._core.aio import consume_result
 from .._core.errmap import session_gone
@@ -37,6 +37,8 @@ from ..keys import lock_key
 from ..observability import metrics
 
 log = logging.getLogger("pgcoord.tenure")
+
+K = TypeVar("K", bound=Hashable)
 
 
 def trust_margin(window: float) -> float:
@@ -101,6 +103,16 @@ class Tenure:
 
     def taken(self, fence: int, sent: float) -> None:
         self.fence, self.renewed_at = fence, sent
+        self.trust.trust(sent)
+
+    def renewed(self, sent: float, *, record: bool = True) -> None:
+        """A renewal sent at ``sent`` (monotonic) succeeded: trust from then on. Once
+        the holding is lost, a renewal that was in flight changes nothing."""
+        if self.lost is not None:
+            return
+        if record:
+            metrics.renewal(self.name, time.monotonic() - sent, sent - self.renewed_at)
+        self.renewed_at = sent
         self.trust.trust(sent)
 
     def on_lost(self, listener: Callable[[str], None]) -> None:
@@ -197,9 +209,7 @@ async def renew_once(tenure: Tenure, how: Renewal, *,
         if result is None:
             tenure.lose("the lease expired or was taken over")
             return math.inf, None
-        metrics.renewal(tenure.name, time.monotonic() - sent, sent - tenure.renewed_at)
-        tenure.renewed_at = sent
-        tenure.trust.trust(sent)
+        tenure.renewed(sent)
         return sent + every, result
     if fatal is not None and fatal(error):
         tenure.lose(f"renewal failed: {error}")
@@ -211,6 +221,29 @@ async def renew_once(tenure: Tenure, how: Renewal, *,
         tenure.lose(f"renewal failed until the trust window closed: {error!r}")
         return math.inf, None
     return time.monotonic() + min(retry_every, left), None
+
+
+def settle_batch(tenures: Mapping[K, Tenure], sent: float, renewed: Collection[K],
+                 ours: Collection[K]) -> list[K]:
+    """The answer to one statement that renewed many holdings at once (a member's
+    parts), sent at ``sent``: each in ``renewed`` is trusted anew; each no longer
+    ``ours`` is lost, taken over; one still ours but not renewed (its row was busy)
+    keeps the window it had. Returns the keys this answer lost."""
+    lost = []
+    for key, tenure in tenures.items():
+        if key in renewed:
+            tenure.renewed(sent, record=False)
+        elif key not in ours and tenure.lose("the lease expired or was taken over"):
+            lost.append(key)
+    return lost
+
+
+def close_expired(tenures: Iterable[Tenure], now: float) -> list[Tenure]:
+    """Lose each holding whose trust window has closed by ``now`` (no renewal
+    answered in time); returns those this call lost."""
+    return [t for t in tenures
+            if t.lost is None and t.trust.until <= now
+            and t.lose("no renewal succeeded before the trust window closed")]
 
 
 class Doorbell:

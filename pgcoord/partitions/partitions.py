@@ -46,7 +46,7 @@ from .._core.queries import query
 from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
 from ..keys import lock_key
 from ..leases.statements import validate_ttl
-from ..leases.tenure import trusted_until
+from ..leases.tenure import Tenure, close_expired, settle_batch
 from ..member import SessionLost
 from ..observability import metrics
 from .assignment import balanced
@@ -166,7 +166,7 @@ class Partitions:
         self._lost.set()
         self._news.set()
         for held in self._held.values():
-            held.trust_until, held.lost = 0.0, True
+            held.tenure.lose("the member's session was lost")
             self._stop_own(held)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -263,16 +263,15 @@ class Partitions:
         while True:
             now = time.monotonic()
             lingering = self._cancel_lost_again()
-            for held in list(self._held.values()):
-                if held.trust_until <= now and not held.lost:
-                    held.lost = True
-                    lingering = True
-                    if not held.draining:
-                        if held.trust_until > 0.0:
-                            log.warning("partitions %r: part %d not renewed within its trust window; "
-                                        "stopping it", self.name, held.part.index)
-                        self._drain(held)
-                        self._news.set()
+            by_tenure = {id(h.tenure): h for h in self._held.values()}
+            for tenure in close_expired([h.tenure for h in by_tenure.values()], now):
+                held = by_tenure[id(tenure)]
+                lingering = True
+                if not held.draining:
+                    log.warning("partitions %r: part %d not renewed within its trust window; "
+                                "stopping it", self.name, held.part.index)
+                    self._drain(held)
+                    self._news.set()
             upcoming = [h.trust_until for h in self._held.values() if not h.lost]
             pause = min(1.0, max(0.0, min(upcoming, default=now + 1.0) - now)) + 0.001
             self._watch.clear()
@@ -423,10 +422,11 @@ class Partitions:
         if self._lost.is_set():
             raise _SessionGone("the member's session was lost during a claim")
         taken, _given_back = json.loads(raw)
-        trust_until = trusted_until(sent, self._window)
         for index, fence in taken:
             part = Partition(int(index), self._part_name(int(index)), int(fence))
-            held = _Held(part, trust_until)
+            tenure = Tenure(part.name, self._window)
+            tenure.taken(part.fence, sent)
+            held = _Held(part, tenure)
             self._held[part.index] = held
             session.owned[(self._bell(part.index), False)] += 1
             held.task = asyncio.create_task(self._supervise(part), name=f"pgcoord-part:{part.name}")
@@ -473,16 +473,12 @@ class Partitions:
     def _renewed(self, held: list[_Held], renewed: set[int], ours: set[int], sent: float) -> None:
         if self._lost.is_set():
             raise _SessionGone("the member's session was lost during a renewal")
-        trust_until = trusted_until(sent, self._window)
-        for h in held:
-            if h.part.index in renewed:
-                h.trust_until = trust_until
-            elif h.part.index not in ours:
-                log.warning("partitions %r: part %d (fence %d) was taken over", self.name, h.part.index,
-                            h.part.fence)
-                h.trust_until, h.lost = 0.0, True
-                self._drain(h)
-                self._watch.set()
+        by_index = {h.part.index: h for h in held}
+        for index in settle_batch({i: h.tenure for i, h in by_index.items()}, sent, renewed, ours):
+            h = by_index[index]
+            log.warning("partitions %r: part %d (fence %d) was taken over", self.name, index, h.part.fence)
+            self._drain(h)
+            self._watch.set()
 
     async def _release(self, session: MemberSession, parts: list[_Held]) -> None:
         assert self._holder is not None

@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..leases.tenure import Tenure
+
 MAX_COUNT = 4096
 
 
@@ -25,21 +27,29 @@ Own = Callable[[Partition], Awaitable[Any]]
 
 
 class _Held:
-    """A part this session holds: its fence, its trust window and its own() task."""
+    """A part this session holds: its tenure (fence, trust window, loss) and its
+    own() task."""
 
-    __slots__ = ("draining", "lost", "part", "stopping", "task", "told", "trust_until")
+    __slots__ = ("draining", "part", "stopping", "task", "tenure", "told")
 
-    def __init__(self, part: Partition, trust_until: float) -> None:
+    def __init__(self, part: Partition, tenure: Tenure) -> None:
         self.part = part
-        self.trust_until = trust_until
+        self.tenure = tenure
         self.task: asyncio.Task[None] | None = None
         self.draining = False
-        # Lost: another member may own the part now (our session ended, the part was
-        # taken over, or its trust window closed while we served). Its own() is then
-        # cancelled until it ends; a part given up in good order is cancelled once.
-        self.lost = False
         self.stopping = False  # pgcoord cancelled its own(): an error now is not a failure
         self.told = False  # logged that its own() went on after a cancellation
+
+    @property
+    def trust_until(self) -> float:
+        return self.tenure.trust.until
+
+    @property
+    def lost(self) -> bool:
+        """Another member may own the part now (our session ended, the part was taken
+        over, or its trust window closed while we served). Its own() is then
+        cancelled until it ends; a part given up in good order is cancelled once."""
+        return self.tenure.lost is not None
 
 
 class _SessionGone(Exception):
