@@ -54,6 +54,7 @@ from .info import (
     _info,
     _validate,
 )
+from .ring import RingWatch
 from .session import MemberSession, SessionLost
 
 __all__ = ["Member", "MemberWatch"]
@@ -82,11 +83,8 @@ class Member:
         self.id: int | None = None
         self.joined_at: dt.datetime | None = None
         self._main: HolderConnection | None = None
-        self._watcher: HolderConnection | None = None
         self._main_io = asyncio.Lock()
         self._view: dict[int, MemberInfo] = {}
-        #: Ids of every live member of every group, in ring order.
-        self._ring: list[int] = []
         self._left_hooks: list[Callable[[int], None]] = []
         self._lost_hooks: list[Callable[[int], None]] = []
         #: Other channels features listen to on the member's session: name -> callbacks.
@@ -99,11 +97,11 @@ class Member:
         self._news = asyncio.Event()
         self._lost = asyncio.Event()
         self._joined = asyncio.Event()
-        self._target: int | None = None
         #: True behind a transaction-mode pooler: heartbeat rows, no session.
         self.polling: bool | None = None
-        self._watch_changed = asyncio.Event()
         self._tasks = Supervisor(f"member {self.name!r}", log)
+        self._ring = RingWatch(self.name, self.ttl, lambda: self.id, self._call, self._spawn,
+                               self._forget, lambda: self._lost.set())
         self._runner: asyncio.Task[None] | None = None
         self._open = False
 
@@ -168,11 +166,11 @@ class Member:
                 log.warning("member %r: leaving the group was cut short; closing the session", self.name)
 
     async def _drop_sessions(self) -> None:
-        for conn in (self._watcher, self._main):
+        for conn in (self._ring.session, self._main):
             if conn is not None:
                 with contextlib.suppress(Exception):
                     await conn.close_now()
-        self._watcher = self._main = None
+        self._ring.session = self._main = None
         self.id = None
         self._joined.clear()
 
@@ -248,7 +246,7 @@ class Member:
             self.joined_at = dt.datetime.fromisoformat(joined["joined_at"])
             if not self.polling:
                 watcher = await self._open_session("/watch")
-                self._watcher = watcher
+                self._ring.session = watcher
                 watcher.on_lost(lost.set)
         except BaseException:
             await finish_despite_cancel(self._drop_sessions())
@@ -315,7 +313,7 @@ class Member:
                 parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
                 if not self.polling:
                     parts += [
-                        self._spawn(self._watch_loop(), f"pgcoord-member-watch:{self.name}"),
+                        self._spawn(self._ring.run(), f"pgcoord-member-watch:{self.name}"),
                         self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
                     ]
                 lost_wait = asyncio.ensure_future(self._lost.wait())
@@ -393,13 +391,13 @@ class Member:
 
     def _forget(self, member_id: int, reason: str) -> None:
         """Member ``member_id`` (of any group) is gone: tell who needs to know."""
-        if member_id in self._ring:
-            self._ring.remove(member_id)
+        if member_id in self._ring.ids:
+            self._ring.ids.remove(member_id)
         self._call_hooks(self._left_hooks, member_id)
         gone = self._view.pop(member_id, None)
         if gone is not None:
             self._emit(MemberLeft(gone, _as_reason(reason)))
-        self._retarget()
+        self._ring.retarget()
 
     async def _unlock_owned(self, incarnation: int, owned: collections.Counter[tuple[int, bool]]) -> None:
         """Unlock what a feature left held on our session (each level taken)."""
@@ -491,9 +489,9 @@ class Member:
         fresh = {info.id: info for info in map(_info, state["peers"])}
         ring = [int(i) for i in state["ring"]]
         gone: dict[str, str] = state["gone"]
-        for member_id in set(self._ring) - set(ring):
+        for member_id in set(self._ring.ids) - set(ring):
             self._call_hooks(self._left_hooks, member_id)
-        self._ring = ring
+        self._ring.ids = ring
         old, self._view = self._view, fresh
         if not initial or old:
             for member_id, info in old.items():
@@ -504,93 +502,11 @@ class Member:
         for member_id, info in fresh.items():
             if member_id not in old and member_id != self.id:
                 self._emit(MemberJoined(info))
-        self._retarget()
+        self._ring.retarget()
 
     def _emit(self, change: MemberChange) -> None:
         for queue in self._subscribers:
             queue.put_nowait(change)
-
-    def _successor(self) -> int | None:
-        others = [i for i in self._ring if i != self.id]
-        if not others or self.id is None:
-            return None
-        return next((i for i in others if i > self.id), others[0])
-
-    def _retarget(self) -> None:
-        """Move a watcher blocked on a target that is no longer our successor."""
-        target = self._target
-        if target is None or target == self._successor() or self._watcher is None:
-            self._watch_changed.set()
-            return
-        self._spawn(self._cancel_watch(), f"pgcoord-member-retarget:{self.name}")
-
-    async def _cancel_watch(self) -> None:
-        watcher = self._watcher
-        if watcher is not None and self._target is not None:
-            with contextlib.suppress(SessionLost):
-                await self._call(query("member_cancel_watch"), watcher.backend_pid)
-
-    async def _watch_loop(self) -> None:
-        watcher = self._watcher
-        assert watcher is not None
-        while True:
-            target = self._successor()
-            if target is None:
-                # Alone: nothing to wait for, but the watcher session must not go
-                # idle for its idle_session_timeout (that is for a paused process).
-                self._watch_changed.clear()
-                try:
-                    async with asyncio.timeout(self.ttl / 3):
-                        await self._watch_changed.wait()
-                except TimeoutError:
-                    try:
-                        await watcher.fetchval(query("holder_probe"))
-                    except Exception as exc:
-                        if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:  # a late retarget
-                            raise
-                continue
-            self._target = target
-            try:
-                await watcher.fetchval(query("member_wait_alive"), target)
-            except Exception as exc:
-                self._target = None
-                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
-                    # Moved on to another successor. The cancel may have landed
-                    # just after the grant: let go of the lock if we got it.
-                    await self._unwatch(watcher, target, held_or_not=True)
-                    continue
-                if _errmap.session_gone(exc):
-                    self._lost.set()
-                raise
-            self._target = None
-            # Granted: the target's session is gone. Tell everyone, then let go.
-            try:
-                reason = await self._call(query("member_reap"), target)
-            except SessionLost:
-                raise
-            except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
-                log.warning("member %r: telling member %d's death failed: %r", self.name, target, exc)
-                reason = None
-            # Tell our own side now rather than when our NOTIFY comes back, and
-            # move on past the dead member at once. No reason: it said goodbye,
-            # and that news is still on its way to us.
-            if target in self._ring:
-                self._forget(target, reason or "left")
-            await self._unwatch(watcher, target)
-
-    async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> None:
-        # A retarget's pg_cancel_backend may land on this statement: try again.
-        for _ in range(5):
-            try:
-                if held_or_not:
-                    await watcher.fetchval(query("member_unwatch_if_held"), target)
-                else:
-                    await watcher.fetchval(query("member_unwatch"), target)
-                return
-            except Exception as exc:
-                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
-                    raise
-        raise RuntimeError(f"could not give back member {target}'s alive lock")
 
     # -- the public view -----------------------------------------------------------------------
 
