@@ -182,7 +182,22 @@ def _refuse_autocommit(dbapi_conn: Any) -> None:
         )
 
 
-class AsyncSQLAlchemySession(AsyncTxSession):
+class _OnConnection:
+    """What both SQLAlchemy sessions answer from the Connection they hold and the
+    driver's connection under it."""
+
+    conn: Any
+    _driver: Any
+
+    def in_transaction(self) -> bool:
+        assert self.conn is not None
+        return bool(self.conn.in_transaction())
+
+    def driver_connection(self) -> Any:
+        return self._driver
+
+
+class AsyncSQLAlchemySession(_OnConnection, AsyncTxSession):
     def __init__(self, source: AsyncEngine | AsyncConnection) -> None:
         self._engine = source if isinstance(source, AsyncEngine) else None
         self.pooled = self._engine is not None
@@ -211,13 +226,6 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             raise
         self._driver, self._adapter = raw.driver_connection, raw.dbapi_connection
         return self.conn
-
-    def in_transaction(self) -> bool:
-        assert self.conn is not None
-        return self.conn.in_transaction()
-
-    def driver_connection(self) -> Any:
-        return self._driver
 
     async def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if driver_of(self._driver) == "psycopg":
@@ -325,7 +333,7 @@ class AsyncSQLAlchemySession(AsyncTxSession):
             pmod.sever_async(driver)
 
 
-class SyncSQLAlchemySession(SyncTxSession):
+class SyncSQLAlchemySession(_OnConnection, SyncTxSession):
     def __init__(self, source: Engine | Connection) -> None:
         self._engine = source if isinstance(source, Engine) else None
         self.pooled = self._engine is not None
@@ -344,13 +352,6 @@ class SyncSQLAlchemySession(SyncTxSession):
             self.checkin()
             raise
         return self.conn
-
-    def in_transaction(self) -> bool:
-        assert self.conn is not None
-        return self.conn.in_transaction()
-
-    def driver_connection(self) -> Any:
-        return self._driver
 
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None

@@ -21,9 +21,30 @@ __all__ = ["sink"]
 
 SCOPE = "pgcoord"
 
+# The synchronous instruments (attribute, kind, name, description); counters count
+# ("1"), histograms measure seconds.
+_INSTRUMENTS = (
+    ("leadership_changes", "counter", "pgcoord.leadership.changes",
+     "Times this replica gained or lost leadership"),
+    ("renewal_latency", "histogram", "pgcoord.lease.renewal", "Round trip of a successful lease renewal"),
+    ("fence_rejections", "counter", "pgcoord.fence.rejections", "check_fence calls that raised StaleFence"),
+    ("lock_wait_seconds", "histogram", "pgcoord.lock.wait", "Time from asking for a lock to holding it"),
+    ("lock_busy", "counter", "pgcoord.lock.busy", "wait=False attempts that found the lock held"),
+    ("locks_lost", "counter", "pgcoord.locks.lost", "Locks and leases lost while held"),
+    ("slot_runs", "histogram", "pgcoord.slot.run", "Duration of a job slot's run, by outcome"),
+)
+
 
 class Sink:
     """The OTel side of ``pgcoord.metrics``: one method per signal."""
+
+    leadership_changes: Any
+    renewal_latency: Any
+    fence_rejections: Any
+    lock_wait_seconds: Any
+    lock_busy: Any
+    locks_lost: Any
+    slot_runs: Any
 
     def __init__(self, trace: Any, metrics: Any) -> None:
         from .._core.version import __version__
@@ -43,21 +64,10 @@ class Sink:
         for gauge, values in self._gauges.items():
             meter.create_observable_gauge(gauge, callbacks=[self._observer(metrics, values)],
                                           unit=units.get(gauge, "1"))
-        self.leadership_changes = meter.create_counter(
-            "pgcoord.leadership.changes", unit="1",
-            description="Times this replica gained or lost leadership")
-        self.renewal_latency = meter.create_histogram(
-            "pgcoord.lease.renewal", unit="s", description="Round trip of a successful lease renewal")
-        self.fence_rejections = meter.create_counter(
-            "pgcoord.fence.rejections", unit="1", description="check_fence calls that raised StaleFence")
-        self.lock_wait_seconds = meter.create_histogram(
-            "pgcoord.lock.wait", unit="s", description="Time from asking for a lock to holding it")
-        self.lock_busy = meter.create_counter(
-            "pgcoord.lock.busy", unit="1", description="wait=False attempts that found the lock held")
-        self.locks_lost = meter.create_counter(
-            "pgcoord.locks.lost", unit="1", description="Locks and leases lost while held")
-        self.slot_runs = meter.create_histogram(
-            "pgcoord.slot.run", unit="s", description="Duration of a job slot's run, by outcome")
+        for attr, kind, instrument, description in _INSTRUMENTS:
+            create = meter.create_counter if kind == "counter" else meter.create_histogram
+            setattr(self, attr, create(instrument, unit="s" if kind == "histogram" else "1",
+                                       description=description))
 
     @staticmethod
     def _observer(metrics: Any, values: dict[tuple[tuple[str, Any], ...], float]) -> Any:
