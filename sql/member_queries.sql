@@ -69,6 +69,71 @@ FROM target, pg_catalog.pg_locks AS l
 WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid = pg_catalog.pg_backend_pid()
   AND l.classid = 1885823853 AND l.objid = target.id::oid
 
+-- name: member_idle
+-- A watcher with nobody to watch sleeps on the server: a poke or a retarget cuts
+-- it short (pg_cancel_backend), and the session does not fall silent meanwhile.
+-- The marker lets a member that joins find a lonely watcher (member_poke_predecessor).
+SELECT pg_catalog.pg_sleep($1) /* pgcoord:member_idle */
+
+-- name: member_ring
+-- Every live member with a session, in ring order (as member_state's 'ring').
+SELECT coalesce(pg_catalog.json_agg(l.id ORDER BY l.id), '[]')::text
+FROM pgcoord.members AS l WHERE l.has_session
+
+-- name: member_settle
+-- After member $1 was found dead: wake the candidates of the leases its session
+-- held (cancel the waits of the sessions holding their candidacy locks: see
+-- pgcoord/member/ring.py), and expire its running job claims, so that neither
+-- waits for a broadcast. Returns how many sessions were woken.
+WITH arg AS (SELECT CAST($1 AS integer) AS id), dead AS (
+    SELECT m.pid FROM pgcoord.member_sessions AS m, arg
+    WHERE m.id = arg.id AND m.left_at IS NOT NULL
+), keys AS (
+    SELECT pgcoord.lock_key('pgcoord.candidate:' || s.name) AS key
+    FROM pgcoord.leases AS s, dead WHERE s.holder_pid = dead.pid
+), woken AS (
+    SELECT pg_catalog.pg_cancel_backend(l.pid) AS ok
+    FROM pg_catalog.pg_locks AS l
+    JOIN keys AS k ON ((l.classid::bigint << 32) | l.objid::bigint) = k.key
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
+      AND l.pid <> pg_catalog.pg_backend_pid()
+      AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                        WHERE d.datname = pg_catalog.current_database())
+)
+SELECT (SELECT count(*) FROM woken)::integer AS woken,
+       pgcoord.job_expire_member_claims(arg.id) AS claims_expired
+FROM arg
+
+-- name: lease_poke
+-- Lease $1 was let go of: wake its candidates (the sessions holding its candidacy
+-- lock, see member_settle). Returns how many.
+SELECT count(pg_catalog.pg_cancel_backend(l.pid))::integer
+FROM pg_catalog.pg_locks AS l
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
+  AND ((l.classid::bigint << 32) | l.objid::bigint) = pgcoord.lock_key('pgcoord.candidate:' || $1)
+  AND l.pid <> pg_catalog.pg_backend_pid()
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+
+-- name: member_poke_predecessor
+-- A member that just joined in front of member $1 (its successor in the ring):
+-- the watcher waiting for $1's alive lock belongs to our predecessor, who must
+-- watch us now; or, if the ring had one member, that member's watcher sleeps
+-- (member_idle). Cut its wait short; it reads the ring afresh.
+WITH db AS (SELECT d.oid FROM pg_catalog.pg_database AS d
+            WHERE d.datname = pg_catalog.current_database()),
+waiting AS (
+    SELECT l.pid FROM pg_catalog.pg_locks AS l, db
+    WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND NOT l.granted AND l.database = db.oid
+      AND l.classid = pgcoord.member_alive_ns()::oid AND l.objid = CAST($1 AS integer)::oid
+    UNION
+    SELECT a.pid FROM pg_catalog.pg_stat_activity AS a, db
+    WHERE a.datid = db.oid AND a.state = 'active'
+      AND pg_catalog.strpos(a.query, 'pgcoord:member' || '_idle') > 0  -- split: not this text
+)
+SELECT count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
+WHERE w.pid <> pg_catalog.pg_backend_pid()
+
 -- name: member_cancel_watch
 -- Move a blocked watcher to another target: cancel its lock wait.
 SELECT pg_catalog.pg_cancel_backend($1)

@@ -125,6 +125,7 @@ class Elector:
         self._bell: Doorbell | None = None  # the doorbell on the current session
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
+        self._listening = False  # on a member: listening for lease news (a watch())
         self._closing = Supervisor(f"elector {name!r}", log)  # sessions cut, closing
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
@@ -169,8 +170,24 @@ class Elector:
     def watch(self) -> LeaderWatch:
         """Each change of leader from now on, as ``LeaderChanged(holder, fence)``,
         while ``run()`` runs (it listens on the elector's or the member's session;
-        behind a pooler nothing is heard). Subscribes at once."""
-        return Subscription(self._watchers)
+        behind a pooler nothing is heard). Subscribes at once. On a member, the
+        elector listens only while it is watched: the first ``watch()`` of a running
+        elector starts listening, and hears changes from a round trip later."""
+        subscription: Subscription[LeaderChanged] = Subscription(self._watchers)
+        if self._member is not None and self._unhooks and not self._listening:
+            self._closing.spawn(self._listen_on_member(), f"pgcoord-elector-listen:{self.name}")
+        return subscription
+
+    async def _listen_on_member(self) -> None:
+        member = self._member
+        if member is None or self._listening or not self._unhooks:
+            return
+        self._listening = True
+        try:
+            self._unhooks.append(await member.listen(LEASE_CHANNEL, self._on_lease_news))
+        except BaseException:
+            self._listening = False
+            raise
 
     def _on_lease_news(self, payload: str) -> None:
         try:
@@ -233,10 +250,12 @@ class Elector:
         await member.wait_joined()
         self.polling = member.polling
         if not self._unhooks:
-            self._unhooks = [
-                member.on_member_left(lambda _id: self._news.set()),
-                await member.listen(LEASE_CHANNEL, self._on_lease_news),
-            ]
+            # Woken by a poke of the member's watcher (the leader let go or died, a
+            # resign was asked): no LISTEN, which would tax every NOTIFY in the
+            # database. Only a watch() of the leader's changes listens.
+            self._unhooks = [member.stand(self.name, self._news.set)]
+            if self._watchers:
+                await self._listen_on_member()
         conn = member.session()
         lost = asyncio.Event()
         conn.on_lost(lost.set)
@@ -245,6 +264,7 @@ class Elector:
         return conn
 
     def _unhook(self) -> None:
+        self._listening = False
         unhooks, self._unhooks = self._unhooks, []
         for unhook in unhooks:
             unhook()
@@ -343,6 +363,7 @@ class Elector:
                                        return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     news.cancel()
+                woken = self._news.is_set()
                 self._news.clear()
                 if duty.done():
                     break
@@ -355,7 +376,10 @@ class Elector:
                 if not tenure.trust.is_open():
                     reason = "no renewal succeeded within the trust window"
                     break
-                if time.monotonic() < next_renewal:
+                # On a member, news is a poke: maybe a resign was asked, which only
+                # the renewal tells. Renew now.
+                poked = self._member is not None and woken
+                if time.monotonic() < next_renewal and not poked:
                     continue
                 # A session that cannot renew in time is of no more use: cut it
                 # (abandon) rather than wait for the cancelled statement.
@@ -365,6 +389,8 @@ class Elector:
                     break
                 if asked:
                     self._resign_asked = fence  # renewed, and asked to step down
+                    reason = "a resign was requested"
+                    break
         except BaseException:
             reason = ""  # stop() or cancellation: not a loss
             raise
@@ -452,6 +478,8 @@ class Elector:
             wait = bound if self._member is None else min(bound, 0.5)
             await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
                              lock_timeout_setting(wait))
+            if bell_first:
+                await self._poke_candidates()
             if rang and not bell_first and bell is not None:
                 await bell.unring()
         except Exception as exc:
@@ -460,6 +488,16 @@ class Elector:
             # member's session, letting go unlocks the doorbell instead.
             log.warning("elector %r: resign failed (%r); closing the session", self.name, exc)
             await self._drop_session()
+
+    async def _poke_candidates(self) -> None:
+        """Wake the followers on members now that the lease is free (they listen to
+        nothing: see ``Member.stand``). Best effort: they also look every ttl/3."""
+        try:
+            await self._call(query("lease_poke"), self.name)
+        except _SessionLost:
+            raise
+        except Exception as exc:
+            log.info("elector %r: waking the followers failed: %r", self.name, exc)
 
     # -- the loop ---------------------------------------------------------------------------
 

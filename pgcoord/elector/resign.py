@@ -30,18 +30,30 @@ async def request_resign(source: Any, name: str) -> bool:
     name = validate_name(name)
     from ..member import Member
 
+    # After the request has committed, the leader (and followers on members, which
+    # listen to nothing) are poked: a leader on a member reads the request at the
+    # renewal the poke brings forward.
     if isinstance(source, Member):
         await source.wait_joined()
-        return bool(await source._call(query("lease_request_resign"), name))
+        asked = bool(await source._call(query("lease_request_resign"), name))
+        if asked:
+            await source._call(query("lease_poke"), name)
+        return asked
     if isinstance(source, str):
         conn = await DsnSource(source, None, keepalive=10.0).open()
         try:
             with _errmap.schema_missing_raised():
-                return bool(await conn.fetchval(query("lease_request_resign"), name))
+                asked = bool(await conn.fetchval(query("lease_request_resign"), name))
+                if asked:
+                    await conn.fetchval(query("lease_poke"), name)
+                return asked
         finally:
             await finish_despite_cancel(conn.give_back())
     from .._drivers import check_source, run_statement
 
     check_source(source, need_async=True)
     row = await run_statement(source, query("lease_request_resign"), (name,))
-    return bool(row and row[0])
+    asked = bool(row and row[0])
+    if asked:
+        await run_statement(source, query("lease_poke"), (name,))
+    return asked

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
@@ -225,27 +224,17 @@ class Lease:
             return lambda: None
         if not member._open:
             raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
+        # Woken by a poke of the member's watcher when the lease is let go of or its
+        # holder is found dead: no LISTEN (see ``Member.stand``).
         unhooks = [member.on_member_left(lambda _id: self._news.set()),
-                   member.on_session_lost(lambda _id: self._news.set())]
-        try:
-            unhooks.append(await member.listen("pgcoord_leases", self._on_news))
-        except BaseException:
-            for unhook in unhooks:
-                unhook()
-            raise
+                   member.on_session_lost(lambda _id: self._news.set()),
+                   member.stand(self.name, self._news.set)]
 
         def unhook_all() -> None:
             for unhook in unhooks:
                 unhook()
 
         return unhook_all
-
-    def _on_news(self, payload: str) -> None:
-        try:
-            if json.loads(payload).get("name") == self.name:
-                self._news.set()
-        except ValueError:
-            pass
 
     async def _member_session(self, wait: bool, limit: float | None,
                               deadline: float | None) -> MemberSession:
@@ -459,6 +448,13 @@ class Lease:
                          self.name, exc)
         if fence is not None:
             await self._release_row(fence, bound, statement)
+            if self._member is not None:
+                # Waiters on members listen to nothing: wake them (Member.stand).
+                try:
+                    await self._row("lease_poke", self.name, via=statement)
+                except Exception as exc:
+                    log.info("lease %r: waking its waiters failed (%r); they look every ttl/3",
+                             self.name, exc)
 
     async def __aenter__(self) -> int:
         fence = await self.acquire()

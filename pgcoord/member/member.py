@@ -41,7 +41,7 @@ from .._core import errmap as _errmap
 from .._core.aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
-from .._drivers.listen import listen
+from .._drivers.protocol import Unlisten
 from ..errors import SchemaMissing
 from .info import (
     MemberChange,
@@ -90,6 +90,7 @@ class Member:
         #: Other channels features listen to on the member's session: name -> callbacks.
         self._channels: dict[str, list[Callable[[str], None]]] = {}
         self._listening: set[str] = set()  # channels LISTENed on the current session
+        self._unlistens: dict[str, Unlisten] = {}  # how to stop each, on the current session
         #: LockHolders on this member share its session, and session locks are
         #: re-entrant per session: their per-key FIFO must be the member's.
         self.holder_queues: dict[int, Any] = {}
@@ -102,6 +103,7 @@ class Member:
         self._tasks = Supervisor(f"member {self.name!r}", log)
         self._ring = RingWatch(self.name, self.ttl, lambda: self.id, self._call, self._spawn,
                                self._forget, lambda: self._lost.set())
+        self._ring.fresh_ring = self._read_ring
         self._runner: asyncio.Task[None] | None = None
         self._open = False
 
@@ -171,6 +173,7 @@ class Member:
                 with contextlib.suppress(Exception):
                     await conn.close_now()
         self._ring.session = self._main = None
+        self._unlistens = {}
         self.id = None
         self._joined.clear()
 
@@ -225,8 +228,9 @@ class Member:
                     "member %r: a transaction-mode pooler is in between; membership falls back "
                     "to heartbeat rows: departures are told within ttl + ttl/3, not at once",
                     self.name)
-            else:
-                await listen(main, CHANNEL, self._on_notify)
+            elif self._needs_news():
+                # Before joining, so that no news after our join is missed.
+                self._unlistens[CHANNEL] = await main.listen(CHANNEL, self._on_notify)
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
@@ -252,9 +256,11 @@ class Member:
             await finish_despite_cancel(self._drop_sessions())
             raise
         self._lost = lost
-        self._listening = set()
+        self._listening = set(self._unlistens)
         await self._listen_all()
         await self._refresh(initial=True)
+        if not self.polling:
+            await self._tell_predecessor()
         self._joined.set()
         log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
 
@@ -370,6 +376,10 @@ class Member:
                 return
             if self.polling:
                 await self._refresh()  # no NOTIFY behind a pooler: look
+            else:
+                await self._listen_all()  # LISTEN only while something needs news
+                if CHANNEL not in self._listening:
+                    await self._read_ring()  # no membership news: look at the ring
 
     async def _news_loop(self) -> None:
         while True:
@@ -399,6 +409,48 @@ class Member:
             self._emit(MemberLeft(gone, _as_reason(reason)))
         self._ring.retarget()
 
+    async def _read_ring(self) -> None:
+        """The ring read afresh, for a member that does not listen to membership news:
+        members gone from it are told to the left hooks, and the watcher moves on."""
+        if CHANNEL in self._listening or self.polling:
+            return
+        ring = [int(i) for i in json.loads(await self._call(query("member_ring")))]
+        for member_id in set(self._ring.ids) - set(ring):
+            self._call_hooks(self._left_hooks, member_id)
+        self._ring.ids = ring
+        self._ring.retarget()
+
+    async def _tell_predecessor(self) -> None:
+        """A member that joined between two others: the one before us watches our
+        successor, and must watch us now. It may not listen to membership news, so
+        its watcher's wait is cut short, and it reads the ring afresh."""
+        successor = self._ring.successor()
+        if successor is None:
+            return
+        try:
+            await self._call(query("member_poke_predecessor"), successor)
+        except SessionLost:
+            raise
+        except Exception as exc:  # another role's session: its heartbeat finds us
+            log.info("member %r: could not wake the member before us: %r", self.name, exc)
+
+    def stand(self, lease: str, poke: Callable[[], None]) -> Callable[[], None]:
+        """Stand for ``lease`` on this member (a follower, a waiting ``Lease``):
+        ``poke()`` is called at once when its holder lets it go or is found dead,
+        without listening to anything (see ``member/ring.py``). Returns the
+        withdrawal. Behind a pooler nothing pokes: the caller looks every ttl/3."""
+        return self._ring.stand(lease, poke)
+
+    def _needs_news(self) -> bool:
+        """Membership news is listened to only while something on this member needs it
+        (a ``watch()``, or a feature listening on another channel: Partitions): every
+        listening session is signalled by every NOTIFY in the database. A member
+        alone in the ring listens too: its watcher has nobody to wait for, and the
+        news of the next member's join is how it learns whom to watch (at most one
+        session in the database listens for that reason)."""
+        return (bool(self._subscribers) or any(self._channels.values())
+                or self._ring.successor() is None)
+
     async def _unlock_owned(self, incarnation: int, owned: collections.Counter[tuple[int, bool]]) -> None:
         """Unlock what a feature left held on our session (each level taken)."""
         for (key, shared), count in owned.items():
@@ -424,6 +476,8 @@ class Member:
         def stop() -> None:
             if callback in callbacks:
                 callbacks.remove(callback)
+                if not callbacks and self._joined.is_set():
+                    self._spawn(self._listen_all(), f"pgcoord-member-unlisten:{self.name}")
 
         if self._joined.is_set():
             try:
@@ -434,18 +488,39 @@ class Member:
         return stop
 
     async def _listen_all(self) -> None:
-        """LISTEN on every registered channel not yet listened to on this session
-        (again until none is left, for channels added meanwhile)."""
+        """LISTEN on every channel needed now and not yet listened to on this session,
+        and UNLISTEN those no longer needed (again until nothing is left to do, for
+        changes made meanwhile). Membership news that was not heard while nobody
+        needed it is caught up on when it is needed again."""
         main = self._main
         if main is None or self.polling:
             return
+        caught_up = False
         async with self._main_io:
-            while (todo := set(self._channels) - self._listening) and main is self._main:
+            while main is self._main:
+                needed = {c for c, callbacks in self._channels.items() if callbacks}
+                if self._needs_news():
+                    needed.add(CHANNEL)
+                todo, done = needed - self._listening, self._listening - needed
+                if not todo and not done:
+                    break
                 if self._lost.is_set():
-                    return  # the next session listens on every channel when it joins
-                channel = todo.pop()
+                    return  # the next session listens on what it needs when it joins
                 try:
-                    await listen(main, channel, functools.partial(self._on_channel, channel))
+                    if todo:
+                        channel = todo.pop()
+                        callback = (self._on_notify if channel == CHANNEL
+                                    else functools.partial(self._on_channel, channel))
+                        self._unlistens[channel] = await main.listen(channel, callback)
+                        self._listening.add(channel)
+                        caught_up = caught_up or channel == CHANNEL
+                    else:
+                        channel = done.pop()
+                        self._listening.discard(channel)
+                        unlisten = self._unlistens.pop(channel, None)
+                        if unlisten is not None:
+                            await unlisten()
+                            await main.execute(f'UNLISTEN "{channel}"')
                 except Exception as exc:
                     if not _errmap.session_gone(exc):
                         mapped = _errmap.as_schema_missing(exc)
@@ -456,7 +531,8 @@ class Member:
                     # listens on every registered channel. Not the caller's error.
                     self._lost.set()
                     return
-                self._listening.add(channel)
+        if caught_up and self._joined.is_set():
+            await self._refresh()  # what changed while the LISTEN was being set up
 
     def _on_channel(self, channel: str, payload: str) -> None:
         for callback in list(self._channels.get(channel, ())):
@@ -484,7 +560,7 @@ class Member:
         function that removes the hook."""
         return _add_hook(self._lost_hooks, hook)
 
-    async def _refresh(self, *, initial: bool = False) -> None:
+    async def _refresh(self, *, initial: bool = False, quiet: bool = False) -> None:
         state = json.loads(await self._call(query("member_state"), self.group))
         fresh = {info.id: info for info in map(_info, state["peers"])}
         ring = [int(i) for i in state["ring"]]
@@ -493,6 +569,9 @@ class Member:
             self._call_hooks(self._left_hooks, member_id)
         self._ring.ids = ring
         old, self._view = self._view, fresh
+        if quiet:
+            self._ring.retarget()
+            return
         if not initial or old:
             for member_id, info in old.items():
                 if member_id not in fresh:
@@ -526,7 +605,19 @@ class Member:
         member is closed. A lost session of our own is reported as every peer
         leaving (``crashed``), then joining again once we have rejoined.
         """
-        return Subscription(self._subscribers)
+        subscription: Subscription[MemberChange] = Subscription(self._subscribers)
+        if self._joined.is_set() and CHANNEL not in self._listening:
+            self._spawn(self._start_news(), f"pgcoord-member-listen:{self.name}")
+        return subscription
+
+    async def _start_news(self) -> None:
+        """Start listening to membership news for a new ``watch()``: the view is
+        brought up to date first without telling anyone (what changed before the
+        call is not news to it), then, once the LISTEN is in place, read again and
+        what changed in between is told."""
+        with contextlib.suppress(SessionLost):
+            await self._refresh(quiet=True)
+            await self._listen_all()
 
 
 #: An async iterator of membership changes; see ``Member.watch``.

@@ -7,11 +7,23 @@ without waiting for that NOTIFY to come back, gives the lock back and moves on t
 the next successor. A change of ring moves a watcher blocked on a target that is no
 longer the successor by cancelling its wait (``pg_cancel_backend`` from the main
 session). docs/members.md tells the whole story.
+
+The watcher is also how a member is woken without a broadcast. Before PostgreSQL 19
+every NOTIFY signals every listening session of the database, so a fleet whose
+every member LISTENs taxes the application's own NOTIFY traffic (docs/members.md,
+"What a member costs"). A feature that waits for a lease (a member-bound elector's
+follower, a waiting ``Lease``) *stands* for it: the watcher holds the lease's
+candidacy lock, a shared session lock, while it waits. Whoever frees the lease (its
+holder releasing it, or the watcher that finds its holder's member dead) cancels the
+wait of each session holding that candidacy lock (``pg_cancel_backend``): one signal
+to each candidate, none to anyone else. A cancelled wait is news: the member's
+candidates look again at once, and the ring is read afresh. A poke that lands
+between two of the watcher's statements is lost; the candidates then look at their
+next third of a ttl, as before.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,9 +32,20 @@ from typing import Any
 from .._core import errmap as _errmap
 from .._core.queries import query
 from .._drivers.dedicated import HolderConnection
+from ..keys import lock_key
 from .session import SessionLost
 
 log = logging.getLogger("pgcoord.member")
+
+
+# How often a member alone in the ring looks for company, besides being told.
+LONE_LOOK_EVERY = 1.0
+
+
+def candidacy_key(lease: str) -> int:
+    """The shared session lock a candidate for ``lease`` holds on its watcher session
+    (``pgcoord.lock_key('pgcoord.candidate:' || name)`` in SQL)."""
+    return lock_key(f"pgcoord.candidate:{lease}")
 
 
 class RingWatch:
@@ -42,10 +65,56 @@ class RingWatch:
         self._session_gone = session_gone
         #: Ids of every live member of every group, in ring order.
         self.ids: list[int] = []
-        #: The watcher session while joined (None behind a pooler).
-        self.session: HolderConnection | None = None
+        self._session: HolderConnection | None = None
         self._target: int | None = None
-        self._changed = asyncio.Event()
+        self._waiting = False  # the watcher is in a wait that a cancel ends
+        #: Candidacies: lock key -> what to wake when it is poked.
+        self._stands: dict[int, list[Callable[[], None]]] = {}
+        self._taken: set[int] = set()  # candidacy locks held on the current session
+        #: Set when the ring was read afresh by the watcher itself (see ``fresh_ring``).
+        self.fresh_ring: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def session(self) -> HolderConnection | None:
+        """The watcher session while joined (None behind a pooler)."""
+        return self._session
+
+    @session.setter
+    def session(self, session: HolderConnection | None) -> None:
+        if session is not self._session:
+            self._session = session
+            self._taken = set()  # a new session holds none of them
+
+    def stand(self, lease: str, poke: Callable[[], None]) -> Callable[[], None]:
+        """Stand for ``lease``: ``poke()`` is called when its holder lets it go or dies
+        (and when anything else wakes the watcher). Returns the withdrawal."""
+        key = candidacy_key(lease)
+        self._stands.setdefault(key, []).append(poke)
+        self._nudge()
+
+        def withdraw() -> None:
+            pokes = self._stands.get(key)
+            if pokes is not None and poke in pokes:
+                pokes.remove(poke)
+                if not pokes:
+                    del self._stands[key]
+                    self._nudge()
+
+        return withdraw
+
+    def poked(self) -> None:
+        """Wake every candidate of this member."""
+        for pokes in list(self._stands.values()):
+            for poke in list(pokes):
+                try:
+                    poke()
+                except Exception:
+                    log.exception("member %r: a candidate's wake-up failed", self._name)
+
+    def _nudge(self) -> None:
+        """Have the watcher look again now: cut its wait short."""
+        if self._waiting and self._session is not None:
+            self._spawn(self._cancel_wait(), f"pgcoord-member-retarget:{self._name}")
 
     def successor(self) -> int | None:
         own = self._own_id()
@@ -57,43 +126,74 @@ class RingWatch:
     def retarget(self) -> None:
         """Move a watcher blocked on a target that is no longer our successor."""
         target = self._target
-        if target is None or target == self.successor() or self.session is None:
-            self._changed.set()
+        if target is not None and target == self.successor():
             return
-        self._spawn(self._cancel_wait(), f"pgcoord-member-retarget:{self._name}")
+        self._nudge()
 
     async def _cancel_wait(self) -> None:
-        watcher = self.session
-        if watcher is not None and self._target is not None:
+        watcher = self._session
+        if watcher is not None and self._waiting:
             with contextlib.suppress(SessionLost):
                 await self._call(query("member_cancel_watch"), watcher.backend_pid)
 
+    async def _sync_stands(self, watcher: HolderConnection) -> None:
+        """Hold the candidacy locks of what this member stands for, and only those."""
+        for key in set(self._stands) - self._taken:
+            await watcher.fetchval(query("advisory_call").format(fn="pg_try_advisory_lock_shared"), key)
+            self._taken.add(key)
+        for key in self._taken - set(self._stands):
+            self._taken.discard(key)
+            await watcher.fetchval(query("advisory_call").format(fn="pg_advisory_unlock_shared"), key)
+
+    async def _woken(self) -> None:
+        """The watcher was cancelled or found a death: tell the candidates, and read
+        the ring afresh (a member that listens hears of joins; one that does not
+        learns of them here, from the joiner's poke, or at its heartbeat)."""
+        self.poked()
+        if self.fresh_ring is not None:
+            await self.fresh_ring()
+
     async def run(self) -> None:
         """Watch successor after successor until the watcher session fails."""
-        watcher = self.session
+        watcher = self._session
         assert watcher is not None
         while True:
+            try:
+                await self._sync_stands(watcher)
+            except Exception as exc:
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
+                    raise
+                await self._woken()
+                continue
             target = self.successor()
             if target is None:
                 await self._idle(watcher)
                 continue
             self._target = target
+            self._waiting = True
             try:
                 await watcher.fetchval(query("member_wait_alive"), target)
             except Exception as exc:
                 self._target = None
                 if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
-                    # Moved on to another successor. The cancel may have landed
-                    # just after the grant: let go of the lock if we got it.
+                    # Moved on to another successor, or poked. The cancel may have
+                    # landed just after the grant: let go of the lock if we got it.
+                    self._waiting = False
                     await self._unwatch(watcher, target, held_or_not=True)
+                    await self._woken()
                     continue
                 if _errmap.session_gone(exc):
                     self._session_gone()
                 raise
+            finally:
+                self._waiting = False
             self._target = None
-            # Granted: the target's session is gone. Tell everyone, then let go.
+            # Granted: the target's session is gone. Tell everyone, settle what it
+            # held that others wait for (its leases' candidates are woken, its job
+            # claims expired), then let go.
             try:
                 reason = await self._call(query("member_reap"), target)
+                await self._call(query("member_settle"), target)
             except SessionLost:
                 raise
             except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
@@ -105,20 +205,28 @@ class RingWatch:
             if target in self.ids:
                 self._told_dead(target, reason or "left")
             await self._unwatch(watcher, target)
+            await self._woken()
 
     async def _idle(self, watcher: HolderConnection) -> None:
-        # Alone: nothing to wait for, but the watcher session must not go idle for
-        # its idle_session_timeout (that is for a paused process).
-        self._changed.clear()
+        # Alone: nothing to wait for. A sleep on the server, not here: the session
+        # must not go idle for its idle_session_timeout (that is for a paused
+        # process), and a poke or a retarget must be able to cut it short. A member
+        # that joins pokes us, but its poke is lost if it lands between two of our
+        # statements: so a lone member also looks at the ring every second.
+        if self.fresh_ring is not None:
+            await self.fresh_ring()
+            if self.successor() is not None:
+                return
+        self._waiting = True
         try:
-            async with asyncio.timeout(self._ttl / 3):
-                await self._changed.wait()
-        except TimeoutError:
-            try:
-                await watcher.fetchval(query("holder_probe"))
-            except Exception as exc:
-                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:  # a late retarget
-                    raise
+            await watcher.fetchval(query("member_idle"), min(self._ttl / 3, LONE_LOOK_EVERY))
+        except Exception as exc:
+            if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
+                raise
+            self._waiting = False
+            await self._woken()
+        finally:
+            self._waiting = False
 
     async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> None:
         # A retarget's pg_cancel_backend may land on this statement: try again.

@@ -15,7 +15,6 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core.aio import Supervisor
-from . import schedules as _schedules
 from .runs import Runs
 from .store import Store
 
@@ -78,22 +77,11 @@ class MemberLink:
         return unhook
 
     async def listen(self) -> None:
-        """With a member, hear of schedule changes at once (NOTIFY on its session);
-        without one, or behind a pooler, the tick's change counter finds them."""
-        member = self._member
-        if member is None:
-            return
-
-        def changed(_payload: str) -> None:
-            # Tick now. The tick reads the change counter (committed before the
-            # notification is delivered) and reloads only if it moved: a run owed
-            # (payload 'owed') or a change already seen loads nothing.
-            self._wake.set()
-
-        try:
-            self._unlisten = await member.listen(_schedules.SCHEDULES_CHANNEL, changed)
-        except Exception as exc:  # the counter still finds every change
-            log.warning("scheduler: cannot LISTEN for schedule changes, polling only: %r", exc)
+        """Schedule changes are found by the tick's change counter (at most ``tick``
+        seconds), with a member or without: a LISTEN on the member's session would
+        be signalled by every NOTIFY in the database, a tax on the application's own
+        NOTIFY traffic that grows with the fleet (docs/members.md)."""
+        return
 
     async def _wake_when_rejoined(self, member: Member, old_id: int) -> None:
         while True:
@@ -112,5 +100,7 @@ class MemberLink:
         if expired:
             log.warning("scheduler: member %d is gone; %d running claim(s) of it expired now",
                         member_id, expired)
-            self._recover_soon()  # look for them on this very tick
-            self._wake.set()
+        # The watcher that found the death may have expired them already
+        # (member_settle): look for them on this very tick either way.
+        self._recover_soon()
+        self._wake.set()
