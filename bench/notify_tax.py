@@ -69,7 +69,7 @@ async def members_process(dsn: str, prefix: str, n: int) -> None:
                 pass
 
             tasks.append(asyncio.create_task(sched.run()))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(4.0)  # past the first heartbeat (ttl/3)
         # Which member sessions LISTEN (another session's channels are not visible
         # in any catalog view, so each process says what its members listen to).
         print(f"READY {sum(1 for m in members if m._listening)}", flush=True)
@@ -119,7 +119,14 @@ def stop_members(procs: list[subprocess.Popen[str]]) -> None:
             proc.kill()
 
 
-async def commit_rate(dsn: str, seconds: float) -> float:
+NOTIFY = "SELECT pg_notify('app_events', 'x')"
+# The control: a commit that writes as much (an xid), without a NOTIFY. Its ratio
+# shows what the members cost the machine (2 cores shared by everything here), so
+# that the NOTIFY ratio can be read beside it.
+PLAIN = "SELECT pg_catalog.pg_current_xact_id()"
+
+
+async def commit_rate(dsn: str, seconds: float, statement: str = NOTIFY) -> float:
     import asyncpg
 
     conns = [await asyncpg.connect(dsn) for _ in range(APP_CONNECTIONS)]
@@ -129,7 +136,7 @@ async def commit_rate(dsn: str, seconds: float) -> float:
     async def worker(conn: asyncpg.Connection) -> None:
         nonlocal count
         while time.monotonic() < deadline:
-            await conn.execute("SELECT pg_notify('app_events', 'x')")
+            await conn.execute(statement)
             count += 1
 
     start = time.monotonic()
@@ -179,14 +186,19 @@ def main() -> None:
             after = asyncio.run(commit_rate(dsn, args.seconds))
             row(f"{n} plain listeners (reference)", rate, listening, (before + after) / 2)
             before = after
+        plain_before = asyncio.run(commit_rate(dsn, args.seconds, PLAIN))
         procs, listening = start_members(dsn, args.members, args.processes)
         try:
             rate = asyncio.run(commit_rate(dsn, args.seconds))
+            plain = asyncio.run(commit_rate(dsn, args.seconds, PLAIN))
         finally:
             stop_members(procs)
         time.sleep(1.0)
         after = asyncio.run(commit_rate(dsn, args.seconds))
+        plain_after = asyncio.run(commit_rate(dsn, args.seconds, PLAIN))
         row(f"{args.members} members (elector, lock, scheduler)", rate, listening, (before + after) / 2)
+        print(f"| control: the same commits without NOTIFY, beside the {args.members} members | "
+              f"{listening} | {plain:,.0f} | {plain / ((plain_before + plain_after) / 2):.2f} |")
 
 
 if __name__ == "__main__":

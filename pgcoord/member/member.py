@@ -257,8 +257,8 @@ class Member:
             raise
         self._lost = lost
         self._listening = set(self._unlistens)
-        await self._listen_all()
         await self._refresh(initial=True)
+        await self._listen_all()  # and no longer on membership news if not alone
         if not self.polling:
             await self._tell_predecessor()
         self._joined.set()
