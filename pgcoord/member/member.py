@@ -386,6 +386,7 @@ class Member:
             await self._news.wait()
             self._news.clear()
             await self._refresh()
+            await self._listen_all()  # a member no longer alone stops listening
 
     def _on_notify(self, payload: str) -> None:
         try:

@@ -1,0 +1,161 @@
+"""Members as good guests of a large fleet: a member LISTENs only while something on
+it needs news (every listening session is signalled by every NOTIFY in the
+database), and what used to come by broadcast comes by a poke of the one session
+that needs it (docs/members.md, "What a member costs")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+
+import pgcoord
+
+from .conftest import sql
+
+REPLICA = str(Path(__file__).with_name("member_replica.py"))
+
+
+def group() -> str:
+    return f"fleet-{uuid.uuid4().hex[:6]}"
+
+
+async def channels(member: pgcoord.Member) -> list[str]:
+    """What the member's main session LISTENs to, asked on that session itself."""
+    return sorted(await member._call("SELECT coalesce(pg_catalog.array_agg(c), '{}')::text[] "
+                                     "FROM pg_catalog.pg_listening_channels() AS c"))
+
+
+async def until(check: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def services(dsn: str, n: int, ttl: float) -> AsyncIterator[list[pgcoord.Member]]:
+    """n members, each running what a service runs: an elector, a held lock, a
+    scheduler, and a lease waiting behind another member's."""
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    g, election, lease_name = group(), f"fleet:{uuid.uuid4().hex[:6]}", f"fleet-lease:{uuid.uuid4().hex[:6]}"
+    async with contextlib.AsyncExitStack() as stack:
+        members = [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=ttl)) for _ in range(n)]
+        tasks: list[asyncio.Task[object]] = []
+        for i, member in enumerate(members):
+            async def lead(fence: int) -> None:
+                await asyncio.sleep(3600)
+
+            tasks.append(asyncio.create_task(pgcoord.Elector(member, election, ttl=ttl).run(lead)))
+            holder = await stack.enter_async_context(pgcoord.LockHolder(member))
+            await stack.enter_async_context(holder.lock(f"fleet-lock:{g}:{i}"))
+            sched = pgcoord.Scheduler(pool, member=member)
+
+            @sched.cron(f"fleet-job:{g}", "0 0 1 1 *")
+            async def job() -> None:
+                pass
+
+            tasks.append(asyncio.create_task(sched.run()))
+        held = await stack.enter_async_context(pgcoord.Lease(pool, lease_name, ttl=ttl, member=members[0]))
+        assert held
+        waiting = asyncio.create_task(pgcoord.Lease(pool, lease_name, ttl=ttl, member=members[1]).acquire())
+        tasks.append(waiting)  # type: ignore[arg-type]
+        try:
+            yield members
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    await pool.close()
+
+
+async def test_a_member_running_a_service_listens_to_nothing(dsn: str) -> None:
+    async with services(dsn, 3, ttl=3.0) as members:
+        await asyncio.sleep(1.5)  # past the first heartbeat (ttl/3)
+        for member in members:
+            assert await channels(member) == []
+
+
+async def test_watch_listens_while_it_is_used(dsn: str) -> None:
+    async with pgcoord.Member(dsn, group=group(), ttl=3.0) as a, pgcoord.Member(dsn, group=group(), ttl=3.0):
+        await asyncio.sleep(1.5)
+        assert await channels(a) == []
+        changes = a.watch()
+        await until(lambda: "pgcoord_members" in a._listening, 3)
+        assert await channels(a) == ["pgcoord_members"]
+        changes.close()
+        await asyncio.sleep(1.5)  # the next heartbeat lets go of it
+        assert await channels(a) == []
+
+
+async def test_a_member_alone_in_the_ring_listens_for_the_next_one(dsn: str) -> None:
+    # Alone (the ring spans every group of the database: this test's server may
+    # hold other members, so it looks only at what it knows).
+    async with pgcoord.Member(dsn, group=group(), ttl=3.0) as a:
+        if a._ring.successor() is None:
+            assert await channels(a) == ["pgcoord_members"]
+
+
+def test_a_member_that_joins_between_two_is_watched_without_any_news(dsn: str) -> None:
+    async def scenario() -> None:
+        # ttl 30: the heartbeat sweep would take 10 s; only the watcher ring is quick.
+        async with pgcoord.Member(dsn, group=group(), ttl=30) as a, \
+                pgcoord.Member(dsn, group=group(), ttl=30) as b:
+            await asyncio.sleep(0.5)
+            assert await channels(a) == [] and await channels(b) == []
+            joiner = subprocess.Popen([sys.executable, REPLICA, dsn, group(), "joiner", "30", "asyncpg"],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                assert joiner.stdout is not None
+                line = await asyncio.to_thread(joiner.stdout.readline)
+                joined = int(line.split()[1])
+                # Someone in the ring must watch the joiner now, though nobody listens.
+                await until(lambda: joined in (a._ring._target, b._ring._target), 5)
+                joiner.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                await until(lambda: sql(dsn, "select left_reason from pgcoord.member_sessions where id = %s",
+                                        joined) == [("crashed",)], 5)
+                assert time.monotonic() - killed < 3.0
+            finally:
+                if joiner.poll() is None:
+                    joiner.kill()
+                joiner.wait()
+
+    asyncio.run(scenario())
+
+
+async def test_a_follower_that_listens_to_nothing_takes_over_a_released_lease_at_once(dsn: str) -> None:
+    name = f"fleet-handover:{uuid.uuid4().hex[:6]}"
+    terms: list[tuple[int, int, float]] = []
+
+    def lead_as(i: int) -> object:
+        async def lead(fence: int) -> None:
+            terms.append((i, fence, time.monotonic()))
+            await asyncio.sleep(3600)
+        return lead
+
+    async with pgcoord.Member(dsn, group=group(), ttl=30) as a, pgcoord.Member(dsn, group=group(), ttl=30) as b:
+        electors = [pgcoord.Elector(a, name, ttl=30), pgcoord.Elector(b, name, ttl=30)]
+        tasks = [asyncio.create_task(e.run(lead_as(i))) for i, e in enumerate(electors)]  # type: ignore[arg-type]
+        try:
+            await until(lambda: len(terms) == 1, 10)
+            first = terms[0][0]
+            assert await channels(a) == [] and await channels(b) == []
+            stopped = time.monotonic()
+            await electors[first].stop()
+            # A third of a ttl is 10 s: only a poke can make it this quick.
+            await until(lambda: len(terms) == 2, 3)
+            assert terms[1][0] != first and terms[1][1] == terms[0][1] + 1
+            assert terms[1][2] - stopped < 2.0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
