@@ -379,7 +379,8 @@ class Member:
             else:
                 await self._listen_all()  # LISTEN only while something needs news
                 if CHANNEL not in self._listening:
-                    await self._read_ring()  # no membership news: look at the ring
+                    # No membership news: look (the ring, and the group for a later watch()).
+                    await self._refresh(quiet=True)
 
     async def _news_loop(self) -> None:
         while True:

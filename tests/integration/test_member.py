@@ -315,6 +315,10 @@ async def test_after_a_server_restart_every_member_joins_again(own_server: objec
         await m.open()
     try:
         changes = members[0].watch()
+        # A member listens to membership news only while watched: from a round trip on.
+        async with asyncio.timeout(5):
+            while "pgcoord_members" not in members[0]._listening:
+                await asyncio.sleep(0.01)
         await asyncio.to_thread(own_server.restart)  # type: ignore[attr-defined]
         departed: set[str] = set()
         rejoined: set[str] = set()
