@@ -27,6 +27,26 @@ SELECT pgcoord.member_leave($1)
 -- name: member_reap
 SELECT pgcoord.member_reap($1)
 
+-- name: member_reap_dead
+-- After a watcher was granted a dead member's alive lock: mark gone (and announce)
+-- every member with a session whose alive lock no session holds, in every group,
+-- in one statement. Deaths come together (a process with several members, a
+-- host): the watcher does not find its dead successors one after another. A row
+-- is written only after its member took its lock, so a row without a held lock
+-- is a dead member's. Returns [[id, reason or null], ...].
+-- (A dead member's lock may be held by a watcher that was granted it: only the
+-- member's own session, its pid, holding it makes it alive.)
+WITH alive AS MATERIALIZED (SELECT a.id, a.pid FROM pgcoord.member_sessions_alive() AS a),
+dead AS (
+    SELECT m.id FROM pgcoord.member_sessions AS m
+    WHERE m.left_at IS NULL AND m.has_session
+      AND NOT EXISTS (SELECT 1 FROM alive WHERE alive.id = m.id AND alive.pid = m.pid)
+    ORDER BY m.id
+)
+SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(
+           d.id, pgcoord.member_mark_gone(d.id, NULL))), '[]')::text
+FROM dead AS d
+
 -- name: member_heartbeat
 SELECT pgcoord.member_heartbeat($1)
 
@@ -81,13 +101,13 @@ SELECT coalesce(pg_catalog.json_agg(l.id ORDER BY l.id), '[]')::text
 FROM pgcoord.members AS l WHERE l.has_session
 
 -- name: member_settle
--- After member $1 was found dead: wake the candidates of the leases its session
+-- After the members $1 (an array of ids) were found dead: wake the candidates of the leases its session
 -- held (cancel the waits of the sessions holding their candidacy locks: see
 -- pgcoord/member/ring.py), and expire its running job claims, so that neither
 -- waits for a broadcast. Returns how many sessions were woken.
-WITH arg AS (SELECT CAST($1 AS integer) AS id), dead AS (
+WITH arg AS (SELECT CAST($1 AS integer[]) AS ids), dead AS (
     SELECT m.pid FROM pgcoord.member_sessions AS m, arg
-    WHERE m.id = arg.id AND m.left_at IS NOT NULL
+    WHERE m.id = ANY (arg.ids) AND m.left_at IS NOT NULL
 ), keys AS (
     SELECT pgcoord.lock_key('pgcoord.candidate:' || s.name) AS key
     FROM pgcoord.leases AS s, dead WHERE s.holder_pid = dead.pid
@@ -101,8 +121,8 @@ WITH arg AS (SELECT CAST($1 AS integer) AS id), dead AS (
                         WHERE d.datname = pg_catalog.current_database())
 )
 SELECT (SELECT count(*) FROM woken)::integer AS woken,
-       pgcoord.job_expire_member_claims(arg.id) AS claims_expired
-FROM arg
+       (SELECT sum(pgcoord.job_expire_member_claims(x)) FROM arg, pg_catalog.unnest(arg.ids) AS x)
+           AS claims_expired
 
 -- name: lease_poke
 -- Lease $1 was let go of: wake its candidates (the sessions holding its candidacy

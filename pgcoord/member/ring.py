@@ -25,6 +25,7 @@ next third of a ttl, as before.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -191,19 +192,25 @@ class RingWatch:
             # Granted: the target's session is gone. Tell everyone, settle what it
             # held that others wait for (its leases' candidates are woken, its job
             # claims expired), then let go.
+            # Every member found dead by this statement is told, the target and
+            # whoever died with it (often its neighbours in the ring).
             try:
-                reason = await self._call(query("member_reap"), target)
-                await self._call(query("member_settle"), target)
+                raw = await self._call(query("member_reap_dead"))
+                # (Those marked already were told by whoever marked them.)
+                dead = {int(i): why for i, why in json.loads(raw) if why is not None}
+                dead.setdefault(target, None)
+                await self._call(query("member_settle"), sorted(dead))
             except SessionLost:
                 raise
             except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
                 log.warning("member %r: telling member %d's death failed: %r", self._name, target, exc)
-                reason = None
+                dead = {target: None}
             # Tell our own side now rather than when our NOTIFY comes back, and
-            # move on past the dead member at once. No reason: it said goodbye,
-            # and that news is still on its way to us.
-            if target in self.ids:
-                self._told_dead(target, reason or "left")
+            # move on past the dead at once. No reason: it said goodbye, and that
+            # news is still on its way to us.
+            for member_id, reason in dead.items():
+                if member_id in self.ids:
+                    self._told_dead(member_id, reason or "left")
             await self._unwatch(watcher, target)
             await self._woken()
 
