@@ -11,11 +11,11 @@ from pgcoord._core.embedded import EmbeddedServer
 
 
 @contextlib.contextmanager
-def bench_database() -> Iterator[tuple[str, EmbeddedServer | None]]:
+def bench_database(settings: dict[str, str] | None = None) -> Iterator[tuple[str, EmbeddedServer | None]]:
     if dsn := os.environ.get("PGCOORD_BENCH_DSN"):
         pgcoord.migrations.upgrade(dsn)
         yield dsn, None
         return
-    with EmbeddedServer() as server:
+    with EmbeddedServer(settings) as server:
         pgcoord.migrations.upgrade(server.dsn)
         yield server.dsn, server
