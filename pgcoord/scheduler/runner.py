@@ -304,6 +304,8 @@ class SlotRunner:
         while True:
             try:
                 return await self._finisher.finish(entry)
+            except CleanupTimeout:
+                raise  # held up past the bound (a row lock): trying again would be too
             except Exception as exc:
                 # Tried again only while the claim is trusted: past it, another
                 # replica may have recorded the slot or taken it over.

@@ -23,6 +23,7 @@ from pgcoord.scheduler import Scheduler, Slot
 
 from .conftest import sql, unique
 from .converted_cancel import CONVERTED, Converting
+from .test_scheduler_hostile import POOLS, open_pool
 
 REPLICA = str(Path(__file__).with_name("scheduler_replica.py"))
 
@@ -270,3 +271,63 @@ def test_the_readme_form_runs_the_next_slot_within_a_second_of_a_sigkill(dsn: st
         assert skipped[0][0] <= 2, f"{skipped[0][0]} slots were skipped (overlap) after the kill"
     finally:
         replicas.stop()
+
+
+# -- the private member: from each pool's own parameters, owned by run() ---------------------
+
+
+@pytest.mark.parametrize("kind", POOLS)
+async def test_the_private_member_is_opened_from_each_pool_and_closed_by_stop(
+    dsn: str, kind: str,
+) -> None:
+    """``Scheduler(source)`` of each driver claims under a member of its own (runner
+    ``name/id``, a live row in member_sessions while it runs) opened from the
+    source's own connection parameters, and stop() closes it (the row has left)."""
+    job = unique(f"own-member-{kind}")
+    async with open_pool(kind, dsn) as source:
+        s = Scheduler(source)
+        ran = asyncio.Event()
+
+        @s.cron(job, "* * * * * *")
+        async def work(slot: Slot) -> None:
+            ran.set()
+
+        task = asyncio.create_task(s.run())
+        await asyncio.wait_for(ran.wait(), 15)
+        runner = s.runner
+        _, _, member_id = runner.rpartition("/")
+        assert member_id.isdigit(), runner
+        assert sql(dsn, "select m.\"group\", m.left_at is null from pgcoord.member_sessions as m"
+                        " where m.id = %s", int(member_id)) == [("pgcoord.scheduler", True)]
+        await s.stop()
+        await task
+        assert sql(dsn, "select left_at is not null from pgcoord.member_sessions where id = %s",
+                   int(member_id)) == [(True,)]
+        assert {r for (r,) in sql(dsn, "select runner from pgcoord.job_slots where job = %s"
+                                       " and state = 'succeeded'", job)} == {runner}
+
+
+async def test_a_pool_whose_parameters_no_dsn_holds_runs_untied_and_says_why(
+    dsn: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A password given as a function cannot be put in a DSN: the scheduler says so
+    once, plainly, and runs its jobs with claims under its plain runner name."""
+    job = unique("own-member-refused")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3, password=lambda: "unused")
+    try:
+        s = Scheduler(pool)
+        ran = asyncio.Event()
+
+        @s.cron(job, "* * * * * *")
+        async def work(slot: Slot) -> None:
+            ran.set()
+
+        task = asyncio.create_task(s.run())
+        await asyncio.wait_for(ran.wait(), 15)
+        await s.stop()
+        await task
+        assert "/" not in s.runner
+        assert any("no private member" in r.getMessage() and "password=" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await pool.close()
