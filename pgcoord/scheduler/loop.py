@@ -36,6 +36,7 @@ from .alerts import FailingWatch
 from .claims import Claims
 from .cron import Job, seconds
 from .membership import MemberLink
+from .own_member import OwnMember
 from .registry import JobFn, Registry
 from .runner import NotJoined, Slot
 from .runs import Runs
@@ -89,6 +90,9 @@ class Scheduler:
         self._runs = Runs(source, capacity, self._wake)
         self._claims = Claims(self._store, self._runs)
         self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+        # The README's form (neither member= nor runner=) ties its claims to a
+        # member of its own during run() (own_member.py).
+        self._own = OwnMember(source, self._runner) if member is None and runner is None else None
         self._alerts = FailingWatch(alert_after)
         # The loop's state.
         #: Every schedule this replica runs (code and runtime), as last loaded.
@@ -117,7 +121,7 @@ class Scheduler:
         ``<member name>/<member id>``: claims are tied to the member's session, so
         when that ends every replica expires them at once (and this replica stops
         the bodies that ran under them)."""
-        member = self._member
+        member = self._member or (self._own.member if self._own is not None else None)
         if member is None:
             return self._runner
         if member.id is None:
@@ -223,8 +227,17 @@ class Scheduler:
         self._run_task, self._draining = asyncio.current_task(), False
         self._runs.stopping = False
         unhook = self._member_link.hook()
+        own_unhook: list[Callable[[], None]] = []
+
+        async def own_joined(member: Member) -> None:
+            link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+            own_unhook.append(link.hook())
+            await link.listen()
+
         declaring: asyncio.Task[None] | None = None
         try:
+            if self._own is not None:
+                await self._own.open(own_joined)
             declaring = await self._register()
             await self._member_link.listen()
             failures = 0
@@ -255,6 +268,10 @@ class Scheduler:
                 declaring.cancel()
                 declaring.add_done_callback(consume_result)
             await self._runs.close()
+            for own in own_unhook:
+                own()
+            if self._own is not None:
+                await self._own.close()
             self._run_task = None
 
     async def _register(self) -> asyncio.Task[None] | None:
