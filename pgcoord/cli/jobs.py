@@ -115,13 +115,21 @@ def _table(found: list[ScheduleInfo]) -> str:
     rows = [head] + [(
         i.name, i.expr, i.tz, "yes" if i.paused else "no", _when(i.last_run_at),
         (i.last_state or "-") + (f" ({i.last_reason})" if i.last_reason else ""),
-        "paused" if i.paused else _when(i.next_run_at), str(i.failures_in_row),
+        _next(i), str(i.failures_in_row),
     ) for i in found]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not found:
         lines.append("(no schedules)")
+    lines += [f"{i.name}: invalid, no replica runs it: {i.error}; fix it with update()"
+              for i in found if i.error]
     return "\n".join(lines)
+
+
+def _next(info: ScheduleInfo) -> str:
+    if info.error:
+        return "invalid"
+    return "paused" if info.paused else _when(info.next_run_at)
 
 
 def _history(dsn: str, name: str, limit: int, *, as_json: bool) -> int:
