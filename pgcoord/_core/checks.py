@@ -17,6 +17,11 @@ SECONDS_MAX = 100 * 365.25 * 86400.0
 #: btree entry holds at most about 2,700 bytes.
 NAME_MAX_BYTES = 1000
 INT4_MAX = 2**31 - 1
+#: The longest lock wait pgcoord sets (``lock_timeout`` is an int of milliseconds).
+LOCK_TIMEOUT_MAX = INT4_MAX / 1000
+#: The longest keepalive of a session: ``tcp_user_timeout`` (milliseconds, an int)
+#: comes from it, and a liveness bound of more than a day is none.
+KEEPALIVE_MAX = 86400.0
 
 
 def seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float = 0.0,

@@ -303,3 +303,54 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pgcoord.cli", *args], capture_output=True,
                           text=True, timeout=90, env=env, stdin=subprocess.DEVNULL)
 
+
+
+# -- the class: every public constructor and call that takes seconds or a stored name --------
+
+@pytest.mark.parametrize("bad", [NAN, INF, HUGE])
+async def test_other_constructors_refuse_durations_nan_infinite_or_beyond_their_setting(
+        dsn: str, pool: asyncpg.Pool, bad: float) -> None:
+    import pgcoord
+
+    # Before: Lease(ttl=1e300) leaked a DataError at acquire(), Member(ttl=1e300) and
+    # LockHolder(keepalive=1e300) an InvalidParameterValueError (tcp_keepalives_idle),
+    # LockHolder(keepalive=inf) an OverflowError, exclusive(timeout=1e300) one for
+    # lock_timeout. Now each is refused where it is given.
+    await refused(lambda: pgcoord.Lease(pool, unique("l"), ttl=bad))
+    await refused(lambda: pgcoord.Elector(dsn, unique("e"), ttl=bad))
+    await refused(lambda: pgcoord.Member(dsn, ttl=bad))
+    await refused(lambda: pgcoord.LockHolder(dsn, keepalive=bad))
+    lease = pgcoord.Lease(pool, unique("l"), ttl=5)
+    await refused(lease.acquire(timeout=bad))
+    async with pool.acquire() as conn, conn.transaction():
+        await refused(lambda: pgcoord.exclusive(conn, "k", timeout=bad))
+        await refused(lambda: pgcoord.semaphore(conn, "s", limit=2, timeout=bad))
+    async with pgcoord.LockHolder(dsn) as holder:
+        await refused(lambda: holder.lock("k", timeout=bad))
+    assert sql(dsn, "select count(*) from pgcoord.leases where holder is not null"
+                    " and name like 'l:%%'") in ([(0,)], [])
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "x" * 3000])
+async def test_other_constructors_refuse_names_the_database_cannot_store(
+        dsn: str, pool: asyncpg.Pool, bad: str) -> None:
+    import pgcoord
+
+    # Before: a NUL in a lease name or holder, a member's group, name or meta leaked
+    # CharacterNotInRepertoireError (or was accepted, for an Elector, to fail in its
+    # campaign); NaN in a member's meta leaked an invalid-json error.
+    await refused(lambda: pgcoord.Lease(pool, bad, ttl=5))
+    await refused(lambda: pgcoord.Lease(pool, "l", ttl=5, holder=bad))
+    await refused(lambda: pgcoord.Elector(dsn, bad))
+    await refused(lambda: pgcoord.Elector(dsn, "e", holder=bad))
+    await refused(lambda: pgcoord.Member(dsn, group=bad))
+    await refused(lambda: pgcoord.Member(dsn, name=bad))
+    async with pgcoord.Member(dsn) as member:
+        await refused(lambda: pgcoord.Partitions(member, bad, count=2))
+
+
+async def test_member_meta_jsonb_cannot_store_is_refused(dsn: str) -> None:
+    import pgcoord
+
+    await refused(lambda: pgcoord.Member(dsn, meta={"k": "a\x00b"}))
+    await refused(lambda: pgcoord.Member(dsn, meta={"k": NAN}), TypeError)
