@@ -17,11 +17,12 @@ import datetime as dt
 import json
 from typing import Any
 
+from .._core.checks import INT4_MAX
 from .._core.errmap import schema_missing_raised
 from .._core.queries import query
 from .._drivers.dsn import fetch_rows
 from ..scheduler.schedules import RESUME_CATCH_UP, ScheduleInfo, infos
-from .errors import CONNECT_TIMEOUT, EXIT_NOT_FOUND, EXIT_USAGE, CliError, libpq_dsn
+from .errors import CONNECT_TIMEOUT, EXIT_NOT_FOUND, EXIT_USAGE, CliError, check_number, libpq_dsn
 
 ACTIONS = ("history", "pause", "resume", "trigger")
 
@@ -76,6 +77,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     if args.action == "history":
         if args.limit < 1:
             raise CliError(EXIT_USAGE, "--limit takes a number greater than 0")
+        check_number(args.limit, "--limit", minimum=1, maximum=INT4_MAX, integer=True)
         return _history(dsn, args.name, args.limit, as_json=args.json)
     if args.action == "trigger":
         row = _fetch_one(dsn, query("schedule_trigger"), (args.name,))
