@@ -20,8 +20,8 @@ from psycopg.conninfo import conninfo_to_dict
 import pgcoord.migrations
 from pgcoord._core.embedded import EmbeddedServer
 from pgcoord._core.resources import read_sql
-from pgcoord.cli.doctor import Check, run_checks
 from pgcoord.cli.main import main
+from pgcoord.cli.doctor import Check, run_checks
 
 from .pgbouncer import PgBouncer
 

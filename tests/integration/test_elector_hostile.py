@@ -16,8 +16,8 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord._core.embedded import EmbeddedServer
 from pgcoord.elector import elector as elector_module
+from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import sql, unique
 from .converted_cancel import Converting

@@ -222,14 +222,15 @@ async def test_inside_a_callers_transaction_the_lock_joins_it(kind: str, dsn: st
 
 @pytest.mark.parametrize("kind", ALL)
 async def test_the_body_can_use_the_drivers_savepoints(kind: str, dsn: str, table: str) -> None:
-    async with open_async(kind, dsn) as source, pgcoord.exclusive(source, "exclusive:nested") as conn:
-        await aexecute(conn, "insert into things values (30)")
-        with pytest.raises(RuntimeError):
+    async with open_async(kind, dsn) as source:
+        async with pgcoord.exclusive(source, "exclusive:nested") as conn:
+            await aexecute(conn, "insert into things values (30)")
+            with pytest.raises(RuntimeError):
+                async with nested(conn):
+                    await aexecute(conn, "insert into things values (31)")
+                    raise RuntimeError("undo the savepoint only")
             async with nested(conn):
-                await aexecute(conn, "insert into things values (31)")
-                raise RuntimeError("undo the savepoint only")
-        async with nested(conn):
-            await aexecute(conn, "insert into things values (32)")
+                await aexecute(conn, "insert into things values (32)")
     assert rows(dsn) == [30, 32]
     assert advisory_locks(dsn) == []
 
@@ -405,9 +406,10 @@ async def test_bad_keys_raise_type_error_at_the_call(key: object, dsn: str) -> N
 
 
 async def test_a_sync_source_in_async_with_says_which_with_to_use(dsn: str) -> None:
-    with psycopg.connect(dsn) as conn, pytest.raises(TypeError, match="use `with pgcoord.exclusive"):
-        async with pgcoord.exclusive(conn, 1):
-            pass
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(TypeError, match="use `with pgcoord.exclusive"):
+            async with pgcoord.exclusive(conn, 1):
+                pass
     with pytest.raises(pgcoord.UnsupportedConnection):
         pgcoord.exclusive(object(), 1)
 

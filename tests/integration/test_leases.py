@@ -37,15 +37,16 @@ async def test_fences_increase_by_one_on_every_change_of_holder(kind: str, dsn: 
 
 async def test_a_held_lease_is_busy_for_others_and_times_out(dsn: str) -> None:
     name = unique("lease:busy")
-    async with open_async("asyncpg-pool", dsn) as source, pgcoord.Lease(source, name, ttl=5):
-        other = pgcoord.Lease(source, name, ttl=5)
-        with pytest.raises(pgcoord.LockBusy):
-            await other.acquire(wait=False)
-        started = time.monotonic()
-        with pytest.raises(pgcoord.LockTimeout):
-            await other.acquire(timeout=0.4)
-        assert 0.35 <= time.monotonic() - started < 5
-        assert other.fence is None and not other.valid
+    async with open_async("asyncpg-pool", dsn) as source:
+        async with pgcoord.Lease(source, name, ttl=5):
+            other = pgcoord.Lease(source, name, ttl=5)
+            with pytest.raises(pgcoord.LockBusy):
+                await other.acquire(wait=False)
+            started = time.monotonic()
+            with pytest.raises(pgcoord.LockTimeout):
+                await other.acquire(timeout=0.4)
+            assert 0.35 <= time.monotonic() - started < 5
+            assert other.fence is None and not other.valid
 
 
 async def test_renewal_keeps_the_lease_past_its_ttl(dsn: str) -> None:

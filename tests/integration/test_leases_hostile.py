@@ -20,9 +20,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
 import pgcoord.migrations
-from pgcoord._core.embedded import EmbeddedServer
 from pgcoord.leases import lease as leases
 from pgcoord.leases import statements
+from pgcoord._core.embedded import EmbeddedServer
 
 from .conftest import sql, unique
 from .sources import APP, ASYNC_POOLS, open_async

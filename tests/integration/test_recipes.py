@@ -141,12 +141,13 @@ def test_django_exclusive_is_atomic_with_the_orm_writes(django_db: str) -> None:
     def bump() -> None:
         try:
             for _ in range(5):
-                with exclusive("recipes:counter"), connection.cursor() as cursor:
-                    cursor.execute("select n from recipe_counter where id = 1")
-                    (n,) = cursor.fetchone()
-                    time.sleep(0.01)  # a read-modify-write that would lose updates unlocked
-                    cursor.execute("update recipe_counter set n = %s where id = 1", [n + 1])
-        except BaseException as exc:
+                with exclusive("recipes:counter"):
+                    with connection.cursor() as cursor:
+                        cursor.execute("select n from recipe_counter where id = 1")
+                        (n,) = cursor.fetchone()
+                        time.sleep(0.01)  # a read-modify-write that would lose updates unlocked
+                        cursor.execute("update recipe_counter set n = %s where id = 1", [n + 1])
+        except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:
             connection.close()
@@ -159,10 +160,11 @@ def test_django_exclusive_is_atomic_with_the_orm_writes(django_db: str) -> None:
     assert errors == []
     assert sql(django_db, "select n from recipe_counter") == [(20,)]
     # A failing body rolls back its writes with the lock, and leaves no lock behind.
-    with pytest.raises(ZeroDivisionError), exclusive("recipes:counter"):
-        with connection.cursor() as cursor:
-            cursor.execute("update recipe_counter set n = 0 where id = 1")
-        1 / 0  # noqa: B018
+    with pytest.raises(ZeroDivisionError):
+        with exclusive("recipes:counter"):
+            with connection.cursor() as cursor:
+                cursor.execute("update recipe_counter set n = 0 where id = 1")
+            1 / 0  # noqa: B018
     connection.close()
     assert sql(django_db, "select n from recipe_counter") == [(20,)]
     assert sql(django_db, "select count(*) from pg_locks where locktype = 'advisory'") == [(0,)]

@@ -76,7 +76,7 @@ def test_a_killed_runner_s_slot_is_settled_at_once_and_no_later_slot_is_skipped(
                        job, slot_at)
             if mode == "skip":
                 return rows[0][0] == "abandoned"
-            return rows[0][1] == 2 or (rows[0][0] == "succeeded" and rows[0][1] == 2)  # type: ignore[comparison-overlap]
+            return rows[0][1] == 2 or rows[0][0] == "succeeded" and rows[0][1] == 2  # type: ignore[comparison-overlap]
         wait_for(settled, 5)
         assert time.time() - killed < 3.0
         # ...and the slots due after it run on the survivor, none skipped as an overlap.

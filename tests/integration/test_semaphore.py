@@ -836,20 +836,22 @@ async def test_a_nested_semaphore_that_would_wait_for_itself_raises_at_once(
     holder) can count, a nested wait could only wait for itself: it raises at
     once, saying so, instead of waiting forever."""
     name = unique("sem-nested")
-    async with open_async(kind, dsn, size=1) as conn, pgcoord.semaphore(conn, name, limit=1):
-        started = time.monotonic()
-        with pytest.raises(pgcoord.PgcoordError, match="already holds"):
-            async with pgcoord.semaphore(conn, name, limit=1):
+    async with open_async(kind, dsn, size=1) as conn:
+        async with pgcoord.semaphore(conn, name, limit=1):
+            started = time.monotonic()
+            with pytest.raises(pgcoord.PgcoordError, match="already holds"):
+                async with pgcoord.semaphore(conn, name, limit=1):
+                    pass
+            assert time.monotonic() - started < 2
+            async with pgcoord.semaphore(conn, name, limit=2):  # a free slot of its own
                 pass
-        assert time.monotonic() - started < 2
-        async with pgcoord.semaphore(conn, name, limit=2):  # a free slot of its own
-            pass
-    async with pgcoord.LockHolder(dsn) as holder, holder.semaphore(name, limit=1):
-        started = time.monotonic()
-        with pytest.raises(pgcoord.PgcoordError, match="already holds"):
-            async with holder.semaphore(name, limit=1):
-                pass
-        assert time.monotonic() - started < 2
+    async with pgcoord.LockHolder(dsn) as holder:
+        async with holder.semaphore(name, limit=1):
+            started = time.monotonic()
+            with pytest.raises(pgcoord.PgcoordError, match="already holds"):
+                async with holder.semaphore(name, limit=1):
+                    pass
+            assert time.monotonic() - started < 2
     assert _semaphore_locks(dsn, name) == 0
 
 
@@ -927,9 +929,10 @@ def test_a_sync_engine_on_a_driver_it_cannot_listen_on_waits_by_retrying(dsn: st
             with pgcoord.semaphore(engine, name, limit=1, timeout=10) as conn:
                 assert conn.execute(text("select 1")).scalar() == 1
             assert 0.2 < time.monotonic() - started < 5
-            with pytest.raises(pgcoord.LockTimeout), pgcoord.semaphore(blocker, name, limit=1), \
+            with pytest.raises(pgcoord.LockTimeout):
+                with pgcoord.semaphore(blocker, name, limit=1), \
                         pgcoord.semaphore(engine, name, limit=1, timeout=0.3):
-                pass
+                    pass
         with engine.connect() as conn:
             _assert_clean_sync(conn)
     finally:

@@ -5,6 +5,7 @@ fenced leases, one run per slot."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -44,8 +45,9 @@ def test_sync_lock_holder_excludes_and_tells_a_block_its_lock_is_lost(dsn: str) 
     with pgcoord.sync.LockHolder(dsn) as holder, pgcoord.sync.LockHolder(dsn) as other:
         with holder.lock(key):
             assert [g for pid, _k, g in advisory_locks(dsn) if pid == holder.backend_pid] == [True]
-            with pytest.raises(pgcoord.LockBusy), other.lock(key, wait=False):
-                pass
+            with pytest.raises(pgcoord.LockBusy):
+                with other.lock(key, wait=False):
+                    pass
         # Threads contending through one holder take turns.
         inside: list[int] = []
         overlaps: list[int] = []
@@ -68,10 +70,11 @@ def test_sync_lock_holder_excludes_and_tells_a_block_its_lock_is_lost(dsn: str) 
         # The session dies while a block holds the lock: the block is told at once
         # (held.lost), and leaving it raises LockLost.
         started = time.monotonic()
-        with pytest.raises(pgcoord.LockLost), holder.lock(key) as held:
-            assert held.lost is False
-            sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
-            poll(lambda: held.lost, what="the loss told to the block")
+        with pytest.raises(pgcoord.LockLost):
+            with holder.lock(key) as held:
+                assert held.lost is False
+                sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
+                poll(lambda: held.lost, what="the loss told to the block")
         assert time.monotonic() - started < 5
         with other.lock(key, wait=False):  # free again
             pass
@@ -122,18 +125,19 @@ def test_sync_lease_fences_writes_and_tells_the_block_when_taken_over(dsn: str) 
     with psycopg_pool.ConnectionPool(dsn, min_size=1, max_size=3) as pool:
         lease = pgcoord.sync.Lease(pool, lease_name, ttl=3.0)
         try:
-            with pytest.raises(pgcoord.LeaseLost), lease as fence:
-                with pool.connection() as conn, conn.transaction():
-                    pgcoord.check_fence(conn, lease_name, fence)
-                    conn.execute(f"insert into {table} values (%s)", (fence,))
-                import asyncio
-
-                outsider = asyncio.run(testing.take_leadership(dsn, lease_name))
-                assert outsider > fence
-                poll(lambda: lease.lost, what="the lease's loss told to the block")
-                with pool.connection() as conn, pytest.raises(pgcoord.StaleFence):
-                    with conn.transaction():
+            with pytest.raises(pgcoord.LeaseLost):
+                with lease as fence:
+                    with pool.connection() as conn, conn.transaction():
                         pgcoord.check_fence(conn, lease_name, fence)
+                        conn.execute(f"insert into {table} values (%s)", (fence,))
+                    import asyncio
+
+                    outsider = asyncio.run(testing.take_leadership(dsn, lease_name))
+                    assert outsider > fence
+                    poll(lambda: lease.lost, what="the lease's loss told to the block")
+                    with pool.connection() as conn, pytest.raises(pgcoord.StaleFence):
+                        with conn.transaction():
+                            pgcoord.check_fence(conn, lease_name, fence)
         finally:
             lease.close()
     assert sql(dsn, f"select fence from {table}") == [(fence,)]
@@ -225,13 +229,14 @@ def test_a_lock_lost_with_its_session_stops_the_body_and_raises_lock_lost(dsn: s
 
         asyncio.run(scenario())
     else:
-        with pgcoord.sync.LockHolder(dsn) as holder, pytest.raises(pgcoord.LockLost):
-            with holder.lock(key) as held:
-                sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
-                deadline = time.monotonic() + 30
-                while not held.lost and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                stopped.append(time.monotonic())
+        with pgcoord.sync.LockHolder(dsn) as holder:
+            with pytest.raises(pgcoord.LockLost):
+                with holder.lock(key) as held:
+                    sql(dsn, "select pg_terminate_backend(%s)", holder.backend_pid)
+                    deadline = time.monotonic() + 30
+                    while not held.lost and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    stopped.append(time.monotonic())
     assert stopped and stopped[0] - started < 5
     assert [lock for lock in advisory_locks(dsn) if lock[1] == pgcoord.lock_key(key)] == []
 

@@ -74,7 +74,7 @@ def test_a_wrong_name_or_suffix_would_be_caught() -> None:
 def test_grouping_labels_exist_on_the_metrics_they_group() -> None:
     labels: dict[str, set[str]] = {}
     metrics.warm_up()
-    for collector in list(REGISTRY._collector_to_names):
+    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - label names are not public
         names = getattr(collector, "_labelnames", None)
         name = getattr(collector, "_name", "")
         if names is not None and name.startswith("pgcoord_"):
