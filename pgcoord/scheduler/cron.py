@@ -18,6 +18,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
+from .._core.checks import text
+
 UTC = dt.UTC
 CATCH_UP = ("latest", "none", "all")
 ON_CRASH = ("skip", "retry")
@@ -32,7 +34,7 @@ JobFn = Callable[[Any], Coroutine[Any, Any, Any]]
 
 
 def check_zone(tz: Any) -> ZoneInfo:
-    if not isinstance(tz, str):
+    if not isinstance(tz, str) or "\x00" in tz:
         raise ValueError(f"unknown time zone {tz!r}")
     try:
         return ZoneInfo(tz)
@@ -43,6 +45,7 @@ def check_zone(tz: Any) -> ZoneInfo:
 def check_expr(expr: Any, zone: ZoneInfo) -> str:
     if not isinstance(expr, str):
         raise ValueError("cron expression must be a str")
+    text(expr, "cron expression")
     if len(expr.split()) not in (5, 6):
         raise ValueError(f"cron expression {expr!r} must have 5 fields, or 6 with seconds first")
     try:
@@ -51,13 +54,6 @@ def check_expr(expr: Any, zone: ZoneInfo) -> str:
         raise ValueError(f"bad cron expression {expr!r}: {exc}") from exc
     return expr
 
-
-def seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float = 0.0) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ValueError(f"{what} must be a number of seconds >= {minimum}, got {value!r}")
-    return float(value)
 
 
 def slots_between(expr: str, zone: ZoneInfo, after: dt.datetime, until: dt.datetime,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._core.aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
+from .._core.checks import count, seconds, text
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
 from ..errors import PgcoordError, SchemaMissing
@@ -34,7 +35,7 @@ from . import plan
 from . import schedules as _schedules
 from .alerts import FailingWatch
 from .claims import Claims
-from .cron import Job, seconds
+from .cron import Job
 from .membership import MemberLink
 from .own_member import OwnMember
 from .registry import JobFn, Registry
@@ -53,6 +54,8 @@ log = logging.getLogger("pgcoord.scheduler")
 UTC = dt.UTC
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
+ALERT_AFTER_MAX = 10_000
+NEXT_RUNS_MAX = 100_000
 
 
 class Scheduler:
@@ -76,8 +79,10 @@ class Scheduler:
         if member is not None and runner is not None:
             raise ValueError("runner= and member= exclude each other: with a member, the runner "
                              "is named after the member")
-        if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
-            raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
+        # Each check walks back alert_after slots of every schedule: bounded.
+        count(alert_after, "alert_after", maximum=ALERT_AFTER_MAX)
+        if runner is not None:
+            text(runner, "runner")  # stored in job_slots.runner
         max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
         capacity = pool_capacity(source)
         self._source = source
@@ -101,6 +106,7 @@ class Scheduler:
         self._max_sleep = max_sleep
         self._run_task: asyncio.Task[Any] | None = None
         self._draining = False
+        self._stop_pending = False  # stop() before run(): the next run() returns at once
         self._drain = 30.0
         self._clock_offset = 0.0  # database clock minus local wall clock
         # Seconds this scheduler's ticks run ahead of the database clock: 0, except
@@ -156,6 +162,9 @@ class Scheduler:
 
     def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
         """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
+        count(n, "n", minimum=0, maximum=NEXT_RUNS_MAX)
+        if after is not None and (not isinstance(after, dt.datetime) or after.utcoffset() is None):
+            raise ValueError(f"after must be an aware datetime, got {after!r}")
         return plan.upcoming(self._job(job), after or dt.datetime.now(UTC), n)
 
     def _job(self, job: str) -> Job:
@@ -224,6 +233,9 @@ class Scheduler:
                              "or @scheduler.job(...)")
         if self._run_task is not None:
             raise RuntimeError("this Scheduler is already running")
+        if self._stop_pending:  # stop() came first (a shutdown before the start): it holds
+            self._stop_pending = False
+            return
         self._run_task, self._draining = asyncio.current_task(), False
         self._runs.stopping = False
         unhook = self._member_link.hook()
@@ -322,9 +334,15 @@ class Scheduler:
 
     async def stop(self, *, drain: float = 30.0) -> None:
         """Stop claiming slots, let running ones finish for up to ``drain`` seconds, then
-        cancel the rest (recorded abandoned; a retry job's slot is left to another replica)."""
+        cancel the rest (recorded abandoned; a retry job's slot is left to another replica).
+        Called before ``run()`` has started (a shutdown that comes first), it holds: the
+        next ``run()`` returns at once."""
+        seconds(drain, "drain")
         task = self._run_task
         if task is None:
+            # Not running yet (or a task made to run it has not started): the next
+            # run() returns at once rather than going on for ever.
+            self._stop_pending = True
             return
         self._drain = drain
         self._draining = True
@@ -447,6 +465,7 @@ class Scheduler:
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
+        count(batch, "batch")
         return await self._store.prune([self._job(job)], batch=batch)
 
     async def check_failing(self) -> list[str]:

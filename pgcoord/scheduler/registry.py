@@ -11,9 +11,10 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from .._core.checks import seconds, text
 from ..errors import UnsupportedConnection
 from . import schedules as _schedules
-from .cron import Handler, Job, check_expr, check_zone, seconds
+from .cron import Handler, Job, check_expr, check_zone
 from .runner import Slot, as_utc
 
 log = logging.getLogger("pgcoord.scheduler")
@@ -37,8 +38,7 @@ class Registry:
         claim_ttl: float, keep: float, timeout: float | None,
     ) -> Callable[[JobFn], JobFn]:
         """``Scheduler.cron``."""
-        if not isinstance(job, str) or not job:
-            raise ValueError("job name must be a non-empty str")
+        text(job, "job name")
         if job in self.jobs:
             raise ValueError(f"job {job!r} is already registered")
         zone = check_zone(tz)
@@ -68,8 +68,7 @@ class Registry:
     def job(self, handler: str, *, transactional: bool, jitter: float, claim_ttl: float,
             keep: float) -> Callable[[JobFn], JobFn]:
         """``Scheduler.job``."""
-        if not isinstance(handler, str) or not handler:
-            raise ValueError("handler name must be a non-empty str")
+        text(handler, "handler name")
         if handler in self.handlers:
             raise ValueError(f"handler {handler!r} is already registered")
         spec = self._handler(handler, None, transactional, jitter, claim_ttl, keep)
