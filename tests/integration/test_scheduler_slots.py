@@ -343,3 +343,38 @@ async def test_a_schedule_removed_and_added_again_runs_as_added(
     assert later
     assert all(r.args == {"v": 2} for r in later), [(r.at, r.args) for r in later]
     assert all(r.at.second % 2 == 0 for r in later)
+
+
+# -- migration 0008 -----------------------------------------------------------------------
+
+
+def test_0008_keeps_the_pauses_there_were_and_goes_down_and_up_again(fresh_db: str) -> None:
+    import pgcoord.migrations
+
+    pgcoord.migrations.upgrade(fresh_db, "0007")
+    paused, resumed, never = unique("paused"), unique("resumed"), unique("never")
+    for name in (paused, resumed, never):
+        sql(fresh_db, "select pgcoord.schedule_add(%s, 'h', '* * * * *', 'UTC', '{}', '{}')", name)
+    sql(fresh_db, "select pgcoord.schedule_pause(%s)", paused)
+    sql(fresh_db, "select pgcoord.schedule_pause(%s)", resumed)
+    sql(fresh_db, "select pgcoord.schedule_resume(%s)", resumed)
+    sql(fresh_db, "insert into pgcoord.job_slots (job, slot_at, state) values (%s, now(), 'missed')", never)
+    before = sql(fresh_db, "select name, paused, paused_at, resumed_at, version from pgcoord.schedules"
+                           " order by name")
+    pgcoord.migrations.upgrade(fresh_db)
+    assert sql(fresh_db, "select name, paused_at, resumed_at from pgcoord.schedule_pauses order by name") == [
+        (r[0], r[2], None if r[1] else r[3]) for r in before if r[2] is not None]
+    # Upgraded in place: the schedules and their slots are as they were.
+    assert sql(fresh_db, "select name, paused, paused_at, resumed_at, version from pgcoord.schedules"
+                         " order by name") == before
+    assert sql(fresh_db, "select count(*) from pgcoord.job_slots where job = %s", never) == [(1,)]
+    sql(fresh_db, "select pgcoord.schedule_resume(%s)", paused)
+    pgcoord.migrations.downgrade(fresh_db, "0007")
+    assert sql(fresh_db, "select to_regclass('pgcoord.schedule_pauses')") == [(None,)]
+    assert len(sql(fresh_db, "select 1 from pgcoord.schedules where name in (%s, %s, %s)",
+                   paused, resumed, never)) == 3
+    # 0006's functions are back and work.
+    sql(fresh_db, "select pgcoord.schedule_pause(%s)", never)
+    assert sql(fresh_db, "select count(*) from pgcoord.schedule_take_owed('{}', '{}', '{}', '{}', 'r')") == [(0,)]
+    pgcoord.migrations.upgrade(fresh_db)
+    assert sql(fresh_db, "select name from pgcoord.schedule_pauses where name = %s", never) == [(never,)]
