@@ -378,3 +378,27 @@ def test_0008_keeps_the_pauses_there_were_and_goes_down_and_up_again(fresh_db: s
     assert sql(fresh_db, "select count(*) from pgcoord.schedule_take_owed('{}', '{}', '{}', '{}', 'r')") == [(0,)]
     pgcoord.migrations.upgrade(fresh_db)
     assert sql(fresh_db, "select name from pgcoord.schedule_pauses where name = %s", never) == [(never,)]
+
+
+async def test_a_changed_expression_in_code_decides_the_old_slots_due_before_it(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    name = unique("recoded-old")
+    old = Scheduler(pool)
+    old.cron(name, "* * * * * *")(_noop)
+    await _run_for(old, 1.5)
+    await asyncio.sleep(2.2)  # the old expression's slots come due, no replica records them
+    new = Scheduler(pool)
+    new.cron(name, "0 0 1 1 *")(_noop)
+    changed = db_now(dsn)
+    await _run_for(new, 1.5)
+    since = sql(dsn, "select since from pgcoord.schedules where name = %s", name)[0][0]
+    assert isinstance(since, dt.datetime) and since >= changed
+    scheduled = [r for r in rows(dsn, name) if not r[3]]
+    # Every second of the old expression up to the change has a row; catch_up latest:
+    # the latest runs (late, as its own slot), those before it are missed.
+    secs = [int(r[0].timestamp()) for r in scheduled]
+    assert secs == list(range(secs[0], secs[-1] + 1))
+    assert secs[-1] >= int(changed.timestamp()) - 1
+    late = [r for r in scheduled if r[2] == "changed"]
+    assert len(late) >= 1 and {r[1] for r in late} == {"missed"}
+    assert scheduled[-1][1] == "succeeded"
