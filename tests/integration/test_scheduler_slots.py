@@ -375,7 +375,8 @@ def test_0008_keeps_the_pauses_there_were_and_goes_down_and_up_again(fresh_db: s
                    paused, resumed, never)) == 3
     # 0006's functions are back and work.
     sql(fresh_db, "select pgcoord.schedule_pause(%s)", never)
-    assert sql(fresh_db, "select count(*) from pgcoord.schedule_take_owed('{}', '{}', '{}', '{}', 'r')") == [(0,)]
+    assert sql(fresh_db, "select count(*) from"
+                         " pgcoord.schedule_take_owed('{}', '{}', '{}', '{}', 'r')") == [(0,)]
     pgcoord.migrations.upgrade(fresh_db)
     assert sql(fresh_db, "select name from pgcoord.schedule_pauses where name = %s", never) == [(never,)]
 
