@@ -201,6 +201,8 @@ class Job:
         for start, end in self.pauses:
             if start < at and (end is None or at <= end):
                 return True
+        if self.paused and self.paused_at is None:
+            return True  # paused by a hand-written UPDATE that gave no instant: all of it
         if self.paused_at is None or at <= self.paused_at:
             return False
         return self.paused or (self.resumed_at is not None and at <= self.resumed_at)

@@ -161,3 +161,18 @@ def test_six_fields_with_seconds_keep_them_within_each_debian_minute() -> None:
     # Fields that are not fixed keep counting elapsed time, as cronsim does for five.
     every = slots_between("*/30 * 2 * * *", BERLIN, at("2026-10-24T23:59:59"), at("2026-10-25T02:00:00"))
     assert len(every) == 2 * 120
+
+
+def test_every_pause_of_the_history_skips_its_slots_and_catch_up_decides_the_rest() -> None:
+    spec = job("* * * * * *", catch_up="all", paused_at=at("2026-01-01T00:00:06.500000"),
+               resumed_at=at("2026-01-01T00:00:07.500000"),
+               pauses=((at("2026-01-01T00:00:01.500000"), at("2026-01-01T00:00:03.500000")),))
+    spec.after = at("2026-01-01T00:00:00")
+    todo, _ = spec.decide(at("2026-01-01T00:00:08"))
+    assert [(t[0].second, t[1]) for t in sorted(todo)] == [
+        (1, "run"), (2, "skipped"), (3, "skipped"), (4, "run"), (5, "run"), (6, "run"),
+        (7, "skipped"), (8, "run")]
+    # Paused with no instant given (a hand-written UPDATE of paused alone): nothing runs.
+    bare = job("* * * * * *", paused=True)
+    bare.after = at("2026-01-01T00:00:00")
+    assert {t[1] for t in bare.decide(at("2026-01-01T00:00:03"))[0]} == {"skipped"}
