@@ -305,6 +305,8 @@ class Scheduler:
         return None
 
     async def _declare(self) -> None:
+        # A changed expression first, as update() changes one: counted from the change.
+        await _schedules.redeclare(self._source, self.jobs.values())
         at = await self._store.declare(self._registry.declared())
         self._clock_offset = at.timestamp() - time.time()
 

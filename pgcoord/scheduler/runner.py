@@ -70,8 +70,13 @@ class Slot:
 
     @property
     def key(self) -> str:
-        """A stable idempotency key for this slot, e.g. ``nightly@2026-11-29T02:00:00Z``."""
-        return f"{self.job}@{self.at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+        """A stable idempotency key for this slot, unique per run (a retry of the slot
+        keeps it): ``nightly@2026-11-29T02:00:00Z``, with the microseconds when the
+        instant has any (a manual run: ``nightly@2026-11-29T02:00:00.123456Z``)."""
+        stamp = self.at.strftime("%Y-%m-%dT%H:%M:%S")
+        if self.at.microsecond:
+            stamp += f".{self.at.microsecond:06d}"
+        return f"{self.job}@{stamp}Z"
 
 
 

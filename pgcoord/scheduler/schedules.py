@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -142,12 +143,37 @@ async def update(source: Any, name: str, **changes: Any) -> ScheduleInfo:
     payload: dict[str, Any] = {k: v for k, v in changes.items() if k != "args"}
     if "args" in changes:
         payload["args"] = json.loads(_json_args(changes["args"]))
+    await _change(source, name, changes, payload, in_code_ok=False)
+    return await get(source, name)
+
+
+async def redeclare(source: Any, specs: Iterable[Any]) -> None:
+    """Before a replica's start declares the code's schedules (``schedule_declare``):
+    each whose expression or zone in code differs from its row is changed as
+    ``update()`` changes one, so that the new expression counts from the change and
+    the old one's slots due before it that no replica recorded are decided by the
+    schedule's catch_up (run once, late, or recorded missed, reason 'changed')."""
+    for spec in specs:
+        row = await run_statement(source, query("schedule_get"), (spec.name,))
+        if row is None or (row[0], row[1]) == (spec.expr, spec.tz.key):
+            continue
+        changes = {"expr": spec.expr, "tz": spec.tz.key}
+        try:
+            await _change(source, spec.name, changes, changes, in_code_ok=True)
+        except ValueError:
+            # The row's own expression cannot be read (written by hand in SQL): its slots
+            # cannot be worked out; schedule_declare still counts the new one from now.
+            continue
+
+
+async def _change(source: Any, name: str, changes: dict[str, Any], payload: dict[str, Any], *,
+                  in_code_ok: bool) -> None:
     for _ in range(_UPDATE_TRIES):
         row = await run_statement(source, query("schedule_get"), (name,))
         if row is None:
             raise ValueError(f"no schedule named {name!r}")
         old_expr, old_tz, since, version, in_code, now, last = row
-        if in_code:
+        if in_code and not in_code_ok:
             raise ValueError(f"schedule {name!r} is declared in code (@sched.cron): change it "
                              "there (pause() and resume() work on it)")
         new_tz = changes.get("tz", old_tz)
@@ -168,7 +194,7 @@ async def update(source: Any, name: str, **changes: Any) -> ScheduleInfo:
         done = await run_statement(source, query("schedule_update"), (
             name, json.dumps(payload), version, horizon, missed))
         if done is not None and done[0] is not None:
-            return await get(source, name)
+            return
     raise ValueError(f"schedule {name!r} kept changing under update(); try again")
 
 
