@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ import asyncpg
 import pytest
 
 from pgcoord.scheduler import Scheduler, Slot
+from pgcoord.testing import wait_until
 
 from .conftest import sql, unique
 
@@ -78,9 +80,7 @@ async def test_a_schedule_added_during_a_long_jitter_runs_within_a_second_or_two
         await asyncio.sleep(3)  # the loop is now (before the fix) inside an 8 s jitter
         added = db_now(dsn)
         await s.add(name, "* * * * * *", handler=handler)
-        deadline = time.monotonic() + 12
-        while not [r for r in slot_rows(dsn, name) if r[1] == "succeeded"] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: [r for r in slot_rows(dsn, name) if r[1] == "succeeded"], within=12)
     finally:
         await s.stop()
         await task
@@ -146,6 +146,6 @@ async def test_a_backlog_waiting_for_its_run_does_not_spin_the_loop(dsn: str) ->
     # The backlog still goes on one run after another, each as the one before ends.
     assert len(spans) >= 4, spans
     ordered = sorted(spans)
-    assert all(b[0] >= a[1] - 0.01 for a, b in zip(ordered, ordered[1:], strict=False))
-    gaps = [b[0] - a[1] for a, b in zip(ordered, ordered[1:], strict=False)]
+    assert all(b[0] >= a[1] - 0.01 for a, b in itertools.pairwise(ordered))
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(ordered)]
     assert max(gaps) < 0.8, gaps
