@@ -19,8 +19,9 @@ CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
 -- name: schedule_load
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
 -- $2: the names it declared with @sched.cron), column by column, with the latest
--- scheduled slot of each (NULL arrays for none). The counter is read in the same
--- snapshot.
+-- scheduled slot of each (NULL arrays for none); $3, if not NULL: only those so
+-- named (the ones schedule_versions showed changed). The counter is read in the
+-- same snapshot.
 SELECT e.epoch, pg_catalog.clock_timestamp(), a.*
 FROM pgcoord.schedule_epoch AS e
 CROSS JOIN LATERAL (
@@ -43,9 +44,21 @@ CROSS JOIN LATERAL (
     FROM pgcoord.schedules AS s
     CROSS JOIN LATERAL (SELECT max(j.slot_at) AS last FROM pgcoord.job_slots AS j
                         WHERE j.job = s.name AND NOT j.manual) AS m
-    WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
-       OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))
+    WHERE ((NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+           OR (s.in_code AND s.name = ANY (CAST($2 AS text[]))))
+      AND (CAST($3 AS text[]) IS NULL OR s.name = ANY (CAST($3 AS text[])))
 ) AS a
+
+-- name: schedule_versions
+-- The version of every schedule this replica can run (as schedule_load picks
+-- them), and the counter, in one snapshot: a reload after a change loads only the
+-- schedules whose version moved (one, for one change), not all 10,000.
+SELECT e.epoch, v.*
+FROM pgcoord.schedule_epoch AS e
+CROSS JOIN (SELECT pg_catalog.array_agg(s.name), pg_catalog.array_agg(s.version)
+            FROM pgcoord.schedules AS s
+            WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+               OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))) AS v
 
 -- name: schedule_declare
 SELECT now FROM pgcoord.schedule_declare(CAST($1 AS jsonb))
