@@ -149,3 +149,45 @@ async def test_a_backlog_waiting_for_its_run_does_not_spin_the_loop(dsn: str) ->
     assert all(b[0] >= a[1] - 0.01 for a, b in itertools.pairwise(ordered))
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(ordered)]
     assert max(gaps) < 0.8, gaps
+
+
+@pytest.mark.parametrize("chore", ["retention", "recovery"])
+async def test_a_housekeeping_pass_held_up_does_not_hold_up_the_tick(
+        dsn: str, pool: asyncpg.Pool, chore: str) -> None:
+    """A row lock that the chore's statement waits on (a pass over 10,000 schedules
+    takes as long): the per-second job beside it still runs every second."""
+    steady = unique("steady")
+    s = Scheduler(pool)
+    s.cron(steady, "* * * * * *", catch_up="none", keep=1.0)(_noop)
+    if chore == "retention":  # an old finished row (not the latest) that the pass deletes
+        sql(dsn, "insert into pgcoord.job_slots (job, slot_at, state, attempt, finished_at)"
+                 " values (%s, '2000-01-01', 'succeeded', 1, now() - interval '1 day'),"
+                 " (%s, '2000-01-02', 'succeeded', 1, now() - interval '1 day')", steady, steady)
+        locked = dt.datetime(2000, 1, 1, tzinfo=UTC)
+        held = steady
+    else:  # another job's claim that expired, which the pass records abandoned
+        held = unique("yearly")
+        s.cron(held, "0 0 1 1 *")(_noop)
+        sql(dsn, "insert into pgcoord.job_slots (job, slot_at, state, attempt, runner, started_at,"
+                 " claim_expires_at) values (%s, '2000-01-01', 'running', 1, 'gone', now(),"
+                 " now() - interval '1 s')", held)
+        locked = dt.datetime(2000, 1, 1, tzinfo=UTC)
+    blocker = await asyncpg.connect(dsn)
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute("select 1 from pgcoord.job_slots where job = $1 and slot_at = $2"
+                              " for update", held, locked)
+        task = asyncio.create_task(s.run())
+        await asyncio.sleep(6)
+        began = time.monotonic()
+        await s.stop()
+        await task
+        assert time.monotonic() - began < 10  # the chore waiting on the lock is stopped too
+        await tx.rollback()
+    finally:
+        await blocker.close()
+    rows = [r for r in slot_rows(dsn, steady) if r[0].year > 2000]
+    assert len(rows) >= 3, rows
+    assert [r for r in rows if r[1] != "succeeded"] == []
+    assert max(float(r[3]) for r in rows) < 1.5, rows
