@@ -32,6 +32,9 @@ class Jitters:
         self._tasks = Supervisor("scheduler jitter", log)
         self._waiting: set[str] = set()
 
+    def __len__(self) -> int:
+        return len(self._waiting)
+
     def busy(self, name: str) -> bool:
         """Whether schedule ``name`` has a wait (or its decision) going on."""
         return name in self._waiting

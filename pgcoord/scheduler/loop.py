@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._core.aio import CLEANUP_TIMEOUT, Supervisor, absorb_cancel, consume_result
@@ -398,9 +398,11 @@ class Scheduler:
         # the loop) nor one whose next slot waits for a run still going (the run's
         # end wakes the loop): their next_due is past, and would spin it.
         waiting = self._claims.waiting
-        return plan.next_wake((s for s in self._specs.values()
-                               if not self._jitters.busy(s.name) and waiting.get(s.name) != s.next_due),
-                              now, self._max_sleep)
+        specs: Iterable[Job] = self._specs.values()
+        if waiting or len(self._jitters):
+            specs = [s for s in specs
+                     if not self._jitters.busy(s.name) and waiting.get(s.name) != s.next_due]
+        return plan.next_wake(specs, now, self._max_sleep)
 
     async def _decide_due(self, now: dt.datetime) -> None:
         """Decide what is due now; a jittered schedule's slots are decided by a task of
