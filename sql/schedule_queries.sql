@@ -46,7 +46,7 @@ CROSS JOIN LATERAL (
                         WHERE j.job = s.name AND NOT j.manual) AS m
     WHERE ((NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
            OR (s.in_code AND s.name = ANY (CAST($2 AS text[]))))
-      AND (CAST($3 AS text[]) IS NULL OR s.name = ANY (CAST($3 AS text[])))
+      AND s.name = ANY (coalesce(CAST($3 AS text[]), ARRAY[s.name]))
 ) AS a
 
 -- name: schedule_versions
