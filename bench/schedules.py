@@ -2,6 +2,7 @@
 
     python bench/schedules.py [--tenants 1000] [--per-tenant 10] [--replicas 4]
                               [--seconds 40] [--pattern spread|burst] [--changes 5]
+    python bench/schedules.py --pieces      # each piece of the loop at this scale, alone
 
 The schedules are rows of pgcoord.schedules naming one handler (added in one
 INSERT, as a bulk add would be). "spread": each fires once a minute, at second
@@ -321,7 +322,7 @@ async def _piece_costs(dsn: str, handler: str, n: int, repeat: int,
             ("tick with nothing due", "every tick", idle_tick),
             ("tick with the retention pass due", "5 min", tick_prune_due),
             ("reload, one schedule changed", "each change", one_change),
-            ("reload, all schedules", "start, NOTIFY lost", full_reload),
+            ("full load, every schedule", "run()'s start", full_reload),
             ("recovery (schedule_recover)", "claim_ttl / 3", recover),
             ("retention (schedule_prune, whole pass)", "5 min", prune),
             ("failing-job alert (check_failing)", "1 min", alerts),
