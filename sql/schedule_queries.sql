@@ -20,8 +20,9 @@ CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
 -- $2: the names it declared with @sched.cron), column by column, with the latest
 -- scheduled slot of each (NULL arrays for none), and its pauses not yet all decided
--- (JSON [[paused_at, resumed_at], ...], or NULL). The counter is read in the same
--- snapshot.
+-- (JSON [[paused_at, resumed_at], ...], or NULL); $3, if not NULL: only those so
+-- named (the ones schedule_versions showed changed). The counter is read in the
+-- same snapshot.
 SELECT e.epoch, pg_catalog.clock_timestamp(), a.*
 FROM pgcoord.schedule_epoch AS e
 CROSS JOIN LATERAL (
@@ -53,9 +54,24 @@ CROSS JOIN LATERAL (
         FROM pgcoord.schedule_pauses AS h
         WHERE h.name = s.name
           AND (h.resumed_at IS NULL OR h.resumed_at > coalesce(m.last, s.since))) AS p
-    WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
-       OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))
+    WHERE ((NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+           OR (s.in_code AND s.name = ANY (CAST($2 AS text[]))))
+      AND s.name = ANY (coalesce(CAST($3 AS text[]), ARRAY[s.name]))
 ) AS a
+
+-- name: schedule_versions
+-- The version of every schedule this replica can run (as schedule_load picks
+-- them), with its `since` (a schedule removed and added again starts at version 1
+-- again, from a new `since`), and the counter, in one snapshot: a reload after a
+-- change loads only the schedules whose version moved (one, for one change), not
+-- all 10,000.
+SELECT e.epoch, v.*
+FROM pgcoord.schedule_epoch AS e
+CROSS JOIN (SELECT pg_catalog.array_agg(s.name), pg_catalog.array_agg(s.version),
+                   pg_catalog.array_agg(s.since)
+            FROM pgcoord.schedules AS s
+            WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+               OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))) AS v
 
 -- name: schedule_declare
 SELECT now FROM pgcoord.schedule_declare(CAST($1 AS jsonb))

@@ -34,6 +34,10 @@ class Claims:
     def __init__(self, store: Store, runs: Runs) -> None:
         self._store = store
         self._runs = runs
+        #: The schedules whose next slot waits for a run still going on (catch_up="all",
+        #: no overlap), by name, with that slot: the loop does not wake for them (the
+        #: run's end wakes it), or a backlog behind a long run would spin it.
+        self.waiting: dict[str, dt.datetime] = {}
 
     async def decide(self, specs: list[Job], now: dt.datetime, runner: str) -> bool:
         """Decide the due slots of ``specs`` in a statement per DECIDE_BATCH: claim those
@@ -57,6 +61,9 @@ class Claims:
                     stale.add(job)
                 else:
                     log.info("job %r slot %s skipped: the previous run is still going", job, at)
+        for spec in specs:
+            self.waiting.pop(spec.name, None)
+        self.waiting.update(waiting)
         return plan.settle(specs, decided, waiting, stale)
 
     async def take_owed(self, mine: list[tuple[Job, Any, Any, Any]], runner: str) -> None:

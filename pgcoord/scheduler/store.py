@@ -65,14 +65,27 @@ class Store:
         assert row is not None
         return as_utc(row[0])
 
-    async def load(self, handlers: list[str], jobs: list[str]) -> tuple[int, list[tuple[Any, ...]]]:
+    async def load(self, handlers: list[str], jobs: list[str], names: list[str] | None = None,
+                   ) -> tuple[int, list[tuple[Any, ...]]]:
         """``schedule_load``: the change counter, and a row for every schedule that
-        names one of ``handlers`` or (declared in code) is one of ``jobs``."""
-        row = await run_statement(self._source, query("schedule_load"), (handlers, jobs))
+        names one of ``handlers`` or (declared in code) is one of ``jobs`` (and, given
+        ``names``, is one of them)."""
+        row = await run_statement(self._source, query("schedule_load"), (handlers, jobs, names))
         assert row is not None
         columns = row[2:]
         rows = [] if columns[0] is None else list(zip(*columns, strict=True))
         return int(row[0]), rows
+
+    async def versions(self, handlers: list[str], jobs: list[str],
+                       ) -> tuple[int, dict[str, tuple[int, dt.datetime]]]:
+        """``schedule_versions``: the change counter, and the version and ``since`` of
+        each schedule ``load`` would load, by name."""
+        row = await run_statement(self._source, query("schedule_versions"), (handlers, jobs))
+        assert row is not None
+        if row[1] is None:
+            return int(row[0]), {}
+        return int(row[0]), {name: (int(v), as_utc(since))
+                             for name, v, since in zip(row[1], row[2], row[3], strict=True)}
 
     async def declare(self, declared: str) -> dt.datetime:
         """``schedule_declare``: write the code's schedules (JSON); the database clock."""
