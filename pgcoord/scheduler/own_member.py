@@ -29,8 +29,11 @@ from ..member import Member
 
 log = logging.getLogger("pgcoord.scheduler")
 
-#: How long run() waits for the member's first join before running untied meanwhile.
-FIRST_JOIN_TIMEOUT = 5.0
+#: How long run() waits for the member's first join before running untied meanwhile
+#: (a join takes a few round trips; a slower one, a server under load, must not hold
+#: up the first ticks for long: claims made meanwhile are untied, and cost claim_ttl
+#: only if this replica crashes before its member has joined).
+FIRST_JOIN_TIMEOUT = 1.0
 GROUP = "pgcoord.scheduler"
 
 
