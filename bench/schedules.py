@@ -2,6 +2,7 @@
 
     python bench/schedules.py [--tenants 1000] [--per-tenant 10] [--replicas 4]
                               [--seconds 40] [--pattern spread|burst] [--changes 5]
+    python bench/schedules.py --pieces      # each piece of the loop at this scale, alone
 
 The schedules are rows of pgcoord.schedules naming one handler (added in one
 INSERT, as a bulk add would be). "spread": each fires once a minute, at second
@@ -223,6 +224,155 @@ def run_scale(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, replicas: 
 
 
 
+async def _piece_costs(dsn: str, handler: str, n: int, repeat: int,
+                       ) -> list[tuple[str, str, float, float, float]]:
+    """Each piece of a tick (and of the housekeeping between ticks) of one replica that
+    runs ``n`` schedules, timed alone: (piece, how often, ms of the first pass, median ms
+    a pass, worst ms the event loop went without a turn during the passes)."""
+    import statistics
+
+    import asyncpg
+
+    from pgcoord.scheduler import Scheduler, Slot
+    from pgcoord.scheduler import plan as plan_module
+
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=4)
+    sched = Scheduler(pool)
+
+    @sched.job(handler)
+    async def work(slot: Slot) -> None:
+        pass
+
+    worst_gap = [0.0]
+    last_turn = [time.perf_counter()]
+
+    async def watch() -> None:  # the longest the event loop went without a turn
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst_gap[0] = max(worst_gap[0], now - last_turn[0])
+            last_turn[0] = now
+
+    async def timed(fn: Any) -> tuple[float, float, float]:
+        times = []
+        await asyncio.sleep(0.01)  # the watcher's turn: a gap of the piece before is not this one's
+        worst_gap[0], last_turn[0] = 0.0, time.perf_counter()
+        for _ in range(repeat):
+            began = time.perf_counter()
+            took = await fn()  # a piece may time only its own part
+            times.append(time.perf_counter() - began if took is None else took)
+        return times[0] * 1000, statistics.median(times) * 1000, worst_gap[0] * 1000
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await sched._reload()
+        specs = list(sched._specs.values())
+        assert len(specs) == n, (len(specs), n)
+        # The first tick decides what came due since the schedules' start (and no
+        # housekeeping: each piece of it is timed below).
+        sched._last_recover = sched._last_prune = sched._last_alert_check = time.monotonic()
+        await sched.tick()
+
+        async def full_reload() -> None:  # as at the start: nothing loaded yet
+            sched._epoch, sched._specs = None, {}
+            await sched._reload()
+
+        async def one_change() -> None:  # a reload after one schedule's change
+            async with pool.acquire() as conn:
+                await conn.execute("select pgcoord.schedule_update($1, $2)", specs[0].name,
+                                   json.dumps({"args": {"change": time.time()}}))
+            await sched._reload()
+
+        async def plan_only() -> None:
+            now = (await sched._store.clock())[0]
+            plan_module.due(sched._specs.values(), now)
+            plan_module.next_wake(sched._specs.values(), now, 1.0)
+
+        async def idle_tick() -> None:  # nothing due (all decided), no housekeeping due
+            sched._last_recover = sched._last_prune = sched._last_alert_check = time.monotonic()
+            await sched.tick()
+
+        async def tick_prune_due() -> float:  # the tick alone, when the retention pass is due
+            sched._last_recover = sched._last_alert_check = time.monotonic()
+            sched._last_prune = 0.0
+            sched._run_task = asyncio.current_task()  # as inside run()
+            began = time.perf_counter()
+            try:
+                await sched.tick()
+            finally:
+                sched._run_task = None
+            took = time.perf_counter() - began
+            chores = getattr(sched, "_chores", None)  # beside the loop, since issue 22
+            pending = chores.pending() if chores is not None else []
+            if pending:
+                await asyncio.wait(pending)
+            return took
+
+        async def recover() -> None:
+            await sched._claims.recover(list(sched._specs.values()), sched.runner)
+
+        async def prune() -> None:
+            await sched._store.prune(list(sched._specs.values()))
+
+        async def alerts() -> None:
+            await sched.check_failing()
+
+        pieces = [
+            ("schedule_tick + plan (due, next wake)", "every tick", plan_only),
+            ("tick with nothing due", "every tick", idle_tick),
+            ("tick with the retention pass due", "5 min", tick_prune_due),
+            ("reload, one schedule changed", "each change", one_change),
+            ("full load, every schedule", "run()'s start", full_reload),
+            ("recovery (schedule_recover)", "claim_ttl / 3", recover),
+            ("retention (schedule_prune, whole pass)", "5 min", prune),
+            ("failing-job alert (check_failing)", "1 min", alerts),
+        ]
+        found = []
+        for label, often, fn in pieces:
+            first, median, gap = await timed(fn)
+            found.append((label, often, first, median, gap))
+            print(f"  ({label}: {median:,.1f} ms)", file=sys.stderr, flush=True)
+        return found
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await pool.close()
+
+
+def run_pieces(dsn: str, *, tenants: int = 1000, per_tenant: int = 10, old_rows: int = 20,
+               repeat: int = 5) -> None:
+    """The per-tick cost of each piece of the loop with ``tenants * per_tenant`` schedules
+    (each with ``old_rows`` finished rows past their keep, for retention to find)."""
+    import psycopg
+
+    n = tenants * per_tenant
+    handler = f"bench-pieces-{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "insert into pgcoord.schedules (name, handler, expr, args, since)"
+            " select %s || ':tenant-' || (i / %s) || ':' || (i %% %s), %s,"
+            " (i %% 60)::text || ' ' || (i / 60 %% 60)::text || ' * * * *', '{}',"
+            " clock_timestamp() - interval '30 seconds' from generate_series(0, %s - 1) as i",
+            (handler, per_tenant, per_tenant, handler, n))
+        conn.execute(
+            "insert into pgcoord.job_slots (job, slot_at, state, attempt, started_at, finished_at)"
+            " select s.name, now() - interval '59 days' - k * interval '1 hour', 'succeeded', 1,"
+            " now() - interval '59 days', now() - interval '59 days'"
+            " from pgcoord.schedules as s cross join generate_series(1, %s) as k"
+            " where s.handler = %s", (old_rows, handler))
+        conn.execute("analyze pgcoord.job_slots")
+    found = asyncio.run(_piece_costs(dsn, handler, n, repeat))
+    print(f"# The loop's pieces at scale ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores,"
+          f" loopback)\n")
+    print(f"One replica running {n:,} schedules (3,600 distinct expressions), {old_rows} finished"
+          f" rows each past their keep; each piece timed alone, median of {repeat} passes"
+          f" (retention: the first pass deletes, the rest find nothing)\n")
+    print("| piece | how often | first pass | median pass | longest the event loop went"
+          " without a turn |")
+    print("|---|---|---:|---:|---:|")
+    for label, often, first, median, gap in found:
+        print(f"| {label} | {often} | {first:,.1f} ms | {median:,.1f} ms | {gap:,.1f} ms |")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -234,6 +384,8 @@ def main() -> None:
     parser.add_argument("--pattern", choices=("spread", "burst"), default="spread")
     parser.add_argument("--changes", type=float, default=0.0,
                         help="schedules changed per second in a second window (0: none)")
+    parser.add_argument("--pieces", action="store_true",
+                        help="only time each piece of the loop alone, at this scale")
     parser.add_argument("--replica", nargs=3, metavar=("DSN", "HANDLER", "OUT"))
     args = parser.parse_args()
     if args.replica:
@@ -242,6 +394,9 @@ def main() -> None:
     from bench._server import bench_database
 
     with bench_database() as (dsn, _):
+        if args.pieces:
+            run_pieces(dsn, tenants=args.tenants, per_tenant=args.per_tenant)
+            return
         run_scale(dsn, tenants=args.tenants, per_tenant=args.per_tenant, replicas=args.replicas,
                   seconds=args.seconds, warmup=args.warmup, pattern=args.pattern,
                   changes=args.changes)

@@ -204,6 +204,9 @@ async def advance(sched: Any, to: Any) -> list[Any]:
     before = set(sched._runs.running)
     sched._time_shift = shift
     await sched.tick()
+    jittered = sched._jitters.pending()  # decided beside the tick, each after its wait
+    if jittered:
+        await asyncio.wait(jittered)
     started = {key: run for key, run in sched._runs.running.items() if key not in before}
     tasks = [run.task for run in started.values() if run.task is not None]
     if tasks:

@@ -12,23 +12,36 @@ import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
 
 ENV_DSN = "PGCOORD_TEST_DSN"
 
 
-def _params(url: str) -> dict[str, str]:
-    parts = urlsplit(url)
-    return {
-        "host": parts.hostname or "127.0.0.1", "port": str(parts.port or 5432),
-        "user": unquote(parts.username or "postgres"), "password": unquote(parts.password or ""),
-    }
+def _params(dsn: str) -> dict[str, str]:
+    """The parts of ``dsn`` (a URL or key=value string) by libpq's own rules, percent-
+    encoding undone; ``dsn`` itself is kept, to be passed on as the user gave it."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    parts = {k: str(v) for k, v in conninfo_to_dict(dsn).items()}
+    return {"host": parts.get("host", "127.0.0.1"), "port": parts.get("port", "5432"),
+            "user": parts.get("user", "postgres"), "password": parts.get("password", ""), "dsn": dsn}
 
 
-def _url(params: dict[str, str], dbname: str) -> str:
-    auth = params["user"] + (f":{params['password']}" if params.get("password") else "")
+def _url(params: dict[str, str], dbname: str, *, url_only: bool = False) -> str:
+    """The DSN of database ``dbname``: the user's own DSN with only its database
+    changed (its password, hosts and options as given), else one made from the parts."""
+    given = params.get("dsn")
+    if given and "://" in given:
+        parts = urlsplit(given)
+        return urlunsplit((parts.scheme, parts.netloc, "/" + quote(dbname), parts.query, parts.fragment))
+    if given and not url_only:  # (migrations take URLs only)
+        from psycopg.conninfo import make_conninfo
+
+        return make_conninfo(given, dbname=dbname)
+    auth = quote(params["user"], safe="") + (
+        f":{quote(params['password'], safe='')}" if params.get("password") else "")
     return f"postgresql://{auth}@{params['host']}:{params['port']}/{dbname}"
 
 
@@ -69,7 +82,7 @@ def _pgcoord_template(pgcoord_server: dict[str, str]) -> Iterator[tuple[dict[str
     janitor = _janitor(params, name)
     janitor.init()
     try:
-        pgcoord.migrations.upgrade(_url(params, name))
+        pgcoord.migrations.upgrade(_url(params, name, url_only=True))
         yield params, name
     finally:
         janitor.drop()

@@ -219,7 +219,7 @@ SELECT state, attempt FROM pgcoord.job_claim($1, $2, $3, $4, $5, false)
 -- name: job_claim_now
 SELECT c.state, c.attempt, n.slot
 FROM (SELECT pg_catalog.clock_timestamp() AS slot) AS n
-CROSS JOIN LATERAL pgcoord.job_claim($1, n.slot, $2, $3, 'run', true) AS c
+CROSS JOIN LATERAL pgcoord.job_claim($1, n.slot, $2, $3, $4, true) AS c
 
 -- name: job_heartbeat
 SELECT pgcoord.job_heartbeat($1, $2, $3, $4, $5)

@@ -26,6 +26,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedules TO pgcoord_service;
 -- schedule_take_owed deletes the rows it takes FOR UPDATE SKIP LOCKED, which needs UPDATE.
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_owed TO pgcoord_service;
 GRANT SELECT, UPDATE ON pgcoord.schedule_epoch TO pgcoord_service;
+-- Pausing and resuming keep the history of pauses (a trigger, as the caller).
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_pauses TO pgcoord_service;
 
 -- Operators: read who holds what, nothing else. pg_read_all_stats lets them see
 -- other roles' application_name and client_addr in the view.

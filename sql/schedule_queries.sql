@@ -19,8 +19,10 @@ CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
 -- name: schedule_load
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
 -- $2: the names it declared with @sched.cron), column by column, with the latest
--- scheduled slot of each (NULL arrays for none). The counter is read in the same
--- snapshot.
+-- scheduled slot of each (NULL arrays for none), and its pauses not yet all decided
+-- (JSON [[paused_at, resumed_at], ...], or NULL); $3, if not NULL: only those so
+-- named (the ones schedule_versions showed changed). The counter is read in the
+-- same snapshot.
 SELECT e.epoch, pg_catalog.clock_timestamp(), a.*
 FROM pgcoord.schedule_epoch AS e
 CROSS JOIN LATERAL (
@@ -39,13 +41,37 @@ CROSS JOIN LATERAL (
            pg_catalog.array_agg(s.paused_at ORDER BY s.name),
            pg_catalog.array_agg(s.resumed_at ORDER BY s.name),
            pg_catalog.array_agg(s.version ORDER BY s.name),
-           pg_catalog.array_agg(m.last ORDER BY s.name)
+           pg_catalog.array_agg(m.last ORDER BY s.name),
+           pg_catalog.array_agg(p.pauses ORDER BY s.name)
     FROM pgcoord.schedules AS s
     CROSS JOIN LATERAL (SELECT max(j.slot_at) AS last FROM pgcoord.job_slots AS j
                         WHERE j.job = s.name AND NOT j.manual) AS m
-    WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
-       OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))
+    CROSS JOIN LATERAL (
+        SELECT pg_catalog.json_agg(pg_catalog.json_build_array(
+                   pg_catalog.to_char(h.paused_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                   pg_catalog.to_char(h.resumed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+                   ORDER BY h.paused_at)::text AS pauses
+        FROM pgcoord.schedule_pauses AS h
+        WHERE h.name = s.name
+          AND (h.resumed_at IS NULL OR h.resumed_at > coalesce(m.last, s.since))) AS p
+    WHERE ((NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+           OR (s.in_code AND s.name = ANY (CAST($2 AS text[]))))
+      AND s.name = ANY (coalesce(CAST($3 AS text[]), ARRAY[s.name]))
 ) AS a
+
+-- name: schedule_versions
+-- The version of every schedule this replica can run (as schedule_load picks
+-- them), with its `since` (a schedule removed and added again starts at version 1
+-- again, from a new `since`), and the counter, in one snapshot: a reload after a
+-- change loads only the schedules whose version moved (one, for one change), not
+-- all 10,000.
+SELECT e.epoch, v.*
+FROM pgcoord.schedule_epoch AS e
+CROSS JOIN (SELECT pg_catalog.array_agg(s.name), pg_catalog.array_agg(s.version),
+                   pg_catalog.array_agg(s.since)
+            FROM pgcoord.schedules AS s
+            WHERE (NOT s.in_code AND s.handler = ANY (CAST($1 AS text[])))
+               OR (s.in_code AND s.name = ANY (CAST($2 AS text[])))) AS v
 
 -- name: schedule_declare
 SELECT now FROM pgcoord.schedule_declare(CAST($1 AS jsonb))
@@ -66,7 +92,8 @@ FROM pgcoord.schedule_recover(CAST($1 AS text[]), CAST($2 AS bigint[]), CAST($3 
 SELECT pg_catalog.array_agg(t.job), pg_catalog.array_agg(t.slot_at), pg_catalog.array_agg(t.attempt),
        pg_catalog.array_agg(t.manual)
 FROM pgcoord.schedule_take_owed(CAST($1 AS text[]), CAST($2 AS timestamptz[]),
-                                CAST($3 AS boolean[]), CAST($4 AS bigint[]), $5) AS t
+                                CAST($3 AS boolean[]), CAST($4 AS bigint[]),
+                                CAST($5 AS boolean[]), $6) AS t
 
 -- name: schedule_prune
 SELECT pgcoord.schedule_prune(CAST($1 AS text[]), CAST($2 AS bigint[]), $3)

@@ -362,13 +362,16 @@ def add_parser(sub: Any, parents: list[Any], default_dsn: str | None) -> None:
 def cmd_doctor(args: Any) -> int:
     import json
 
-    from .errors import EXIT_USAGE, CliError, check_dsn, explain
+    from .._core.checks import INT4_MAX
+    from .errors import EXIT_USAGE, CliError, check_dsn, check_number, explain
 
     if not args.dsn:
         raise CliError(EXIT_USAGE, "no database given: pass --dsn postgresql://user@host/dbname "
                                    "or set PGCOORD_DSN")
     if args.locks < 0 or args.connections < 0:
         raise CliError(EXIT_USAGE, "--locks and --connections take a number >= 0")
+    check_number(args.locks, "--locks", minimum=0, maximum=INT4_MAX, integer=True)
+    check_number(args.connections, "--connections", minimum=0, maximum=INT4_MAX, integer=True)
     dsn = check_dsn(str(args.dsn))
     try:
         checks = run_checks(dsn, locks=args.locks, connections=args.connections, role=args.role)

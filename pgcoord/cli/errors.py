@@ -7,9 +7,11 @@ and an exit code per kind of failure (see ``EXIT_CODES``), so scripts can tell
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._core import errmap as _errmap
@@ -94,7 +96,29 @@ def check_dsn(dsn: str, *, url_only: bool = False) -> str:
     for port in str(params.get("port", "")).split(","):
         if port and not port.isdigit():
             raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a number")
+    for option in _INTEGER_OPTIONS:
+        value = str(params.get(option, "0")).strip()
+        if not re.fullmatch(r"-?\d{1,9}", value):
+            raise CliError(EXIT_USAGE, f"--dsn has {option}={value!r}, which is not a whole number")
     return dsn
+
+
+#: libpq's connection options that take an integer: a bad one is a usage error,
+#: caught before connecting (psycopg's own message names no option it came from).
+_INTEGER_OPTIONS = ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval",
+                    "keepalives_count", "tcp_user_timeout")
+# libpq's (and psycopg's) refusal of an option's value, which no connecting again fixes.
+_BAD_OPTION = re.compile(r"^(invalid (integer )?value|invalid \w+ value|bad value for|"
+                         r"unrecognized configuration parameter|invalid connection option)")
+
+
+def check_number(value: Any, what: str, *, minimum: float, maximum: float,
+                 integer: bool = False) -> None:
+    """CliError(EXIT_USAGE) unless an option's number is finite and in [minimum, maximum]."""
+    if not (isinstance(value, int | float) and math.isfinite(value) and minimum <= value <= maximum):
+        kind = "a whole number" if integer else "a number"
+        low, high = (f"{int(minimum)}", f"{int(maximum)}") if integer else (f"{minimum:g}", f"{maximum:g}")
+        raise CliError(EXIT_USAGE, f"{what} takes {kind} from {low} to {high}, got {value!r}")
 
 
 def libpq_dsn(dsn: str) -> str:
@@ -220,6 +244,10 @@ def explain(exc: BaseException, dsn: str | None) -> CliError:
                                      f"install it with `pgcoord migrate --dsn ...`")
     code = sqlstate(exc)
     driver = _driver_error(exc)
+    if _BAD_OPTION.match(one_line(driver)) and code is None:
+        where_from = "--dsn" + (" or PGCONNECT_TIMEOUT" if os.environ.get("PGCONNECT_TIMEOUT") else "")
+        return CliError(EXIT_USAGE, f"a connection option of {where_from} is not valid: "
+                                    f"{one_line(driver)}")
     if _is_connect_failure(exc, code):
         hint = _CONNECT_HINTS.get(code or "", _GENERIC_CONNECT_HINT)
         return CliError(EXIT_CONNECT, f"cannot connect to {where}: {one_line(driver)}; {hint}")

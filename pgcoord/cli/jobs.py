@@ -17,11 +17,12 @@ import datetime as dt
 import json
 from typing import Any
 
+from .._core.checks import INT4_MAX
 from .._core.errmap import schema_missing_raised
 from .._core.queries import query
 from .._drivers.dsn import fetch_rows
 from ..scheduler.schedules import RESUME_CATCH_UP, ScheduleInfo, infos
-from .errors import CONNECT_TIMEOUT, EXIT_NOT_FOUND, EXIT_USAGE, CliError, libpq_dsn
+from .errors import CONNECT_TIMEOUT, EXIT_NOT_FOUND, EXIT_USAGE, CliError, check_number, libpq_dsn
 
 ACTIONS = ("history", "pause", "resume", "trigger")
 
@@ -76,6 +77,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     if args.action == "history":
         if args.limit < 1:
             raise CliError(EXIT_USAGE, "--limit takes a number greater than 0")
+        check_number(args.limit, "--limit", minimum=1, maximum=INT4_MAX, integer=True)
         return _history(dsn, args.name, args.limit, as_json=args.json)
     if args.action == "trigger":
         row = _fetch_one(dsn, query("schedule_trigger"), (args.name,))
@@ -115,13 +117,21 @@ def _table(found: list[ScheduleInfo]) -> str:
     rows = [head] + [(
         i.name, i.expr, i.tz, "yes" if i.paused else "no", _when(i.last_run_at),
         (i.last_state or "-") + (f" ({i.last_reason})" if i.last_reason else ""),
-        "paused" if i.paused else _when(i.next_run_at), str(i.failures_in_row),
+        _next(i), str(i.failures_in_row),
     ) for i in found]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not found:
         lines.append("(no schedules)")
+    lines += [f"{i.name}: invalid, no replica runs it: {i.error}; fix it with update()"
+              for i in found if i.error]
     return "\n".join(lines)
+
+
+def _next(info: ScheduleInfo) -> str:
+    if info.error:
+        return "invalid"
+    return "paused" if info.paused else _when(info.next_run_at)
 
 
 def _history(dsn: str, name: str, limit: int, *, as_json: bool) -> int:

@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .errors import (
     EXIT_BROKEN_PIPE,
@@ -16,6 +17,7 @@ from .errors import (
     EXIT_USAGE,
     CliError,
     check_dsn,
+    check_number,
     explain,
     with_connect_timeout,
 )
@@ -86,8 +88,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import run_status
 
-    if args.watch is not None and args.watch <= 0:
-        raise CliError(EXIT_USAGE, "--watch takes a number of seconds greater than 0")
+    if args.watch is not None:
+        check_number(args.watch, "--watch", minimum=0.01, maximum=86400)
     dsn = _require_dsn(args)
     return run_status(dsn, watch=args.watch, as_json=args.json,
                       explain=lambda exc: str(explain(exc, dsn)))
@@ -104,13 +106,21 @@ def _exit_codes_epilog() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (and exit 2) like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"pgcoord: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug is accepted before or after the command; the subcommand's copy
     # defaults to SUPPRESS so it never overwrites the one given before.
-    debug = argparse.ArgumentParser(add_help=False)
+    debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="on failure, print the traceback as well")
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pgcoord", description=__doc__, epilog=_exit_codes_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

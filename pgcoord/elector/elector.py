@@ -54,6 +54,7 @@ from .._core.aio import (
     finish_despite_cancel,
     keep_cancelling,
 )
+from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
 from .._drivers.listen import listen
@@ -115,8 +116,9 @@ class Elector:
         self.holder = validate_holder(holder if holder is not None or self._member is None
                                       else f"{self._member.name}/{name}")
         self.application_name = (application_name or f"pgcoord-elector:{name}")[:63]
-        self._source = (DsnSource(dsn, driver, keepalive=self.ttl) if isinstance(dsn, str)
-                        else None)
+        # The session's keepalive (tcp_user_timeout) has a bound that a ttl need not.
+        self._source = (DsnSource(dsn, driver, keepalive=min(self.ttl, KEEPALIVE_MAX))
+                        if isinstance(dsn, str) else None)
         self._doorbell_name = f"pgcoord.elector:{name}"
         self._doorbell = lock_key(self._doorbell_name)
         self._leading = False

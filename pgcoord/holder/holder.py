@@ -46,6 +46,7 @@ from .._core.aio import (
     absorb_cancel,
     finish_despite_cancel,
 )
+from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
 from .._drivers.dedicated import (
     ConnectionSource,
@@ -128,8 +129,10 @@ class LockHolder:
         self, source: Any, *, driver: str | None = None, application_name: str = "pgcoord-holder",
         keepalive: float = 5.0, max_wait_connections: int = 8, defer_unlocks: bool = True,
     ) -> None:
-        if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not keepalive > 0:
-            raise ValueError(f"keepalive must be a positive number of seconds, got {keepalive!r}")
+        if (isinstance(keepalive, bool) or not isinstance(keepalive, int | float)
+                or not 0 < keepalive <= KEEPALIVE_MAX):
+            raise ValueError(f"keepalive must be a number of seconds > 0 and <= {KEEPALIVE_MAX:.0f} "
+                             f"(it sets the session's tcp_user_timeout), got {keepalive!r}")
         if not isinstance(application_name, str):
             raise TypeError("application_name must be a str")
         if (isinstance(max_wait_connections, bool) or not isinstance(max_wait_connections, int)

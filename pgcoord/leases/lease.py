@@ -33,6 +33,7 @@ from .._core.aio import (
     absorb_cancel,
     finish_despite_cancel,
 )
+from .._core.checks import SECONDS_MAX
 from .._core.queries import query
 from .._drivers import check_source
 from ..errors import LeaseLost, LockBusy, LockTimeout, PgcoordError
@@ -202,8 +203,10 @@ class Lease:
         """Take the lease (a new fence) and start renewing it; returns the fence."""
         if self.fence is not None:
             raise RuntimeError(f"lease {self.name!r} is already held by this Lease")
-        if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        if timeout is not None and (not math.isfinite(timeout) or timeout < 0
+                                    or timeout > SECONDS_MAX):
+            raise ValueError(f"timeout must be a finite number of seconds from 0 to "
+                             f"{SECONDS_MAX:.0f}, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._acquiring += 1
         try:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._core import errmap as _errmap
+from .._core.checks import SECONDS_MAX, text
 from .._drivers import release_async, tx_session_async
 from .._drivers.adapt import is_pool_timeout
 from .._drivers.capacity import pool_capacity
@@ -45,6 +46,8 @@ def validate_ttl(ttl: Any) -> float:
         raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     if not math.isfinite(ttl) or ttl < 0.1:
         raise ValueError(f"ttl must be at least 0.1 s, got {ttl}")
+    if ttl > SECONDS_MAX:  # the lease's expiry is the database clock plus ttl
+        raise ValueError(f"ttl must be at most {SECONDS_MAX:.0f} s, got {ttl}")
     return float(ttl)
 
 
@@ -53,16 +56,14 @@ def validate_name(name: Any) -> str:
         raise TypeError(f"lease name must be a str, not {type(name).__name__}")
     if not name:
         raise ValueError("lease name must not be empty")
-    return name
+    return text(name, "lease name")
 
 
 def validate_holder(holder: Any) -> str:
     """The holder name as given, or a default one; a non-empty str either way."""
     if holder is None:
         return default_holder()
-    if not isinstance(holder, str) or not holder:
-        raise ValueError("holder must be a non-empty str")
-    return holder
+    return text(holder, "holder")
 
 
 def lock_timeout_setting(seconds: float) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._core.checks import KEEPALIVE_MAX, no_nul, text
 from ..errors import PgcoordError
 
 
@@ -52,24 +53,25 @@ def _default_name() -> str:
 
 
 def _validate(group: Any, name: Any, meta: Any, ttl: Any) -> tuple[str, str, str, float]:
-    if not isinstance(group, str) or not group:
-        raise ValueError("group must be a non-empty str")
+    text(group, "group")
     if name is None:
         name = _default_name()
-    if not isinstance(name, str) or not name:
-        raise ValueError("name must be a non-empty str or None")
+    text(name, "name")
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
         raise TypeError(f"meta must be a dict, not {type(meta).__name__}")
     try:
-        meta_json = json.dumps(meta)
+        meta_json = json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"meta must be JSON-serialisable: {exc}") from None
+    no_nul(meta, "meta")
     if isinstance(ttl, bool) or not isinstance(ttl, int | float):
         raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     if not math.isfinite(ttl) or ttl < 1.0:
         raise ValueError(f"ttl must be at least 1 s, got {ttl}")
+    if ttl > KEEPALIVE_MAX:  # the session's TCP keepalive and tcp_user_timeout come from it
+        raise ValueError(f"ttl must be at most {KEEPALIVE_MAX:.0f} s, got {ttl}")
     return group, name, meta_json, float(ttl)
 
 

@@ -69,6 +69,8 @@ def _validate(member: Any, name: Any, count: Any) -> None:
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     if not name or len(name) > 200:
         raise ValueError("name must be 1 to 200 characters")
+    if "\x00" in name:
+        raise ValueError("name must not contain a NUL character (PostgreSQL text cannot hold one)")
     if isinstance(count, bool) or not isinstance(count, int):
         raise TypeError(f"count must be an int, not {type(count).__name__}")
     if not 1 <= count <= MAX_COUNT:

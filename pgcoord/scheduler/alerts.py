@@ -10,6 +10,7 @@ are not failures.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 from collections import Counter
@@ -37,6 +38,19 @@ class FailingWatch:
         assert row is not None
         now = as_utc(row[0])
         watched = [] if row[1] is None else list(zip(*row[1:], strict=True))
+        # In a thread: 10,000 schedules of distinct expressions cost ~1 s of walking
+        # back, which would hold up the event loop (every tick, every heartbeat).
+        names, firsts = await asyncio.to_thread(self._judged, watched, now)
+        found: list[str] = []
+        if names:
+            failing = await run_statement(source, query("schedule_failing"), (names, firsts))
+            found = sorted(failing[0] or []) if failing is not None else []
+        return self._report(watched, found)
+
+    def _judged(self, watched: list[tuple[Any, ...]], now: dt.datetime,
+                ) -> tuple[list[str], list[dt.datetime]]:
+        """The schedules old enough to judge, each with the first of its last K
+        expected slots."""
         names: list[str] = []
         firsts: list[dt.datetime] = []
         # Per expression, not per schedule: thousands of tenants' schedules share a
@@ -58,10 +72,9 @@ class FailingWatch:
             if len(last_k) == self.expected and last_k[-1] > as_utc(since):
                 names.append(name)
                 firsts.append(last_k[-1])
-        found: list[str] = []
-        if names:
-            failing = await run_statement(source, query("schedule_failing"), (names, firsts))
-            found = sorted(failing[0] or []) if failing is not None else []
+        return names, firsts
+
+    def _report(self, watched: list[tuple[Any, ...]], found: list[str]) -> list[str]:
         handlers = {name: handler for name, handler, *_ in watched}
         for name in found:
             if name not in self.failing:

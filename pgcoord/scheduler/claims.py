@@ -10,6 +10,7 @@ instant its statement was sent as the start of the claim's trust window.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import time
@@ -22,6 +23,9 @@ from .runs import Runs
 from .store import Store
 
 log = logging.getLogger("pgcoord.scheduler")
+# A trigger or backfill of a job that must not overlap, while another run of it goes,
+# asks again this often (seconds) until that run ends.
+OVERLAP_POLL = 0.2
 
 
 class Claims:
@@ -30,6 +34,10 @@ class Claims:
     def __init__(self, store: Store, runs: Runs) -> None:
         self._store = store
         self._runs = runs
+        #: The schedules whose next slot waits for a run still going on (catch_up="all",
+        #: no overlap), by name, with that slot: the loop does not wake for them (the
+        #: run's end wakes it), or a backlog behind a long run would spin it.
+        self.waiting: dict[str, dt.datetime] = {}
 
     async def decide(self, specs: list[Job], now: dt.datetime, runner: str) -> bool:
         """Decide the due slots of ``specs`` in a statement per DECIDE_BATCH: claim those
@@ -53,6 +61,9 @@ class Claims:
                     stale.add(job)
                 else:
                     log.info("job %r slot %s skipped: the previous run is still going", job, at)
+        for spec in specs:
+            self.waiting.pop(spec.name, None)
+        self.waiting.update(waiting)
         return plan.settle(specs, decided, waiting, stale)
 
     async def take_owed(self, mine: list[tuple[Job, Any, Any, Any]], runner: str) -> None:
@@ -78,19 +89,36 @@ class Claims:
             self._runs.start(spec, Slot(job, at, attempt, args=spec.args), sent, runner)
 
     async def run_now(self, spec: Job, runner: str) -> Slot:
-        """Claim a manual slot of ``spec`` (now) and run it here, to its end."""
-        sent = time.monotonic()
-        at, attempt = await self._store.claim_now(spec, runner)
+        """Claim a manual slot of ``spec`` (now) and run it here, to its end. A job that
+        must not overlap waits until no other run of it is going."""
+        while True:
+            sent = time.monotonic()
+            claimed = await self._store.claim_now(spec, runner)
+            if claimed is not None:
+                break
+            await asyncio.sleep(OVERLAP_POLL)
+        at, attempt = claimed
         slot = Slot(spec.name, at, attempt, manual=True, args=spec.args)
         await self._runs.execute(spec, slot, sent, runner)
         return slot
 
     async def run_slot(self, spec: Job, at: dt.datetime, runner: str) -> Slot | None:
         """Claim slot ``at`` of ``spec`` and run it here, to its end; None (nothing run)
-        if the slot has a row already."""
-        sent = time.monotonic()
-        attempt = await self._store.claim(spec, at, runner)
-        if attempt is None:
+        if the slot has a row already. A slot in a pause of the schedule is recorded
+        skipped (reason 'paused'), as the loop records it; a job that must not overlap
+        waits until no other run of it is going."""
+        if spec.is_paused_slot(at):
+            entry = (spec.name, at, spec.version, "skipped", "paused", "skip",
+                     int(spec.claim_ttl * 1000))
+            await self._store.decide([entry], runner)
+            return None
+        while True:
+            sent = time.monotonic()
+            attempt = await self._store.claim(spec, at, runner)
+            if attempt != "waiting":
+                break
+            await asyncio.sleep(OVERLAP_POLL)
+        if not isinstance(attempt, int):
             return None
         slot = Slot(spec.name, at, attempt, args=spec.args)
         await self._runs.execute(spec, slot, sent, runner)

@@ -4,19 +4,25 @@ them to run or record missed, and the checks of a schedule's definition.
 A schedule's expression is read in its own time zone by cronsim, which follows
 Debian cron across daylight-saving changes: a time that occurs twice on the
 fall-back night fires once (the first), and a time in the spring-forward gap
-fires at the first instant after the gap.
+fires at the first instant after the gap. cronsim does so for five fields only;
+a six-field expression (seconds first) with a fixed minute and hour gets the same
+rules here (``_instants``): its minutes are those of the five-field expression,
+and its seconds fall within each of them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
+from cronsim.cronsim import Field
+
+from .._core.checks import text
 
 UTC = dt.UTC
 CATCH_UP = ("latest", "none", "all")
@@ -32,7 +38,7 @@ JobFn = Callable[[Any], Coroutine[Any, Any, Any]]
 
 
 def check_zone(tz: Any) -> ZoneInfo:
-    if not isinstance(tz, str):
+    if not isinstance(tz, str) or "\x00" in tz:
         raise ValueError(f"unknown time zone {tz!r}")
     try:
         return ZoneInfo(tz)
@@ -43,6 +49,7 @@ def check_zone(tz: Any) -> ZoneInfo:
 def check_expr(expr: Any, zone: ZoneInfo) -> str:
     if not isinstance(expr, str):
         raise ValueError("cron expression must be a str")
+    text(expr, "cron expression")
     if len(expr.split()) not in (5, 6):
         raise ValueError(f"cron expression {expr!r} must have 5 fields, or 6 with seconds first")
     try:
@@ -52,19 +59,45 @@ def check_expr(expr: Any, zone: ZoneInfo) -> str:
     return expr
 
 
-def seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float = 0.0) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ValueError(f"{what} must be a number of seconds >= {minimum}, got {value!r}")
-    return float(value)
+
+_MINUTE = dt.timedelta(seconds=61)
+
+
+def _instants(expr: str, zone: ZoneInfo, start: dt.datetime, *, reverse: bool = False,
+              ) -> Iterator[dt.datetime]:
+    """The instants of ``expr`` in ``zone`` strictly after ``start`` (or before it,
+    ``reverse``), as cronsim walks them, with Debian's DST rules for six fields too.
+
+    cronsim applies those rules (the wall clock, not elapsed time) only to five-field
+    expressions whose minute and hour are fixed: ``0 30 2 * * *`` in Europe/Berlin
+    fired 0 times on the spring-forward night and twice on the fall-back night, where
+    ``30 2 * * *`` fires once each. Such an expression is walked here as its five-field
+    minutes, each expanded by its seconds."""
+    parts = expr.split()
+    if (len(parts) != 6 or parts[1].startswith("*") or parts[2].startswith("*")
+            or zone.key in ("UTC", "Etc/UTC")):
+        yield from CronSim(expr, start.astimezone(zone), reverse=reverse)
+        return
+    secs = sorted(s for s in Field.SECOND.parse(parts[0]) if isinstance(s, int))
+    five = " ".join(parts[1:])
+    utc_start = start.astimezone(UTC)
+    base = utc_start + _MINUTE if reverse else utc_start - _MINUTE
+    last: dt.datetime | None = None
+    for minute in CronSim(five, base.astimezone(zone), reverse=reverse):
+        first = minute.astimezone(UTC)
+        for s in (reversed(secs) if reverse else secs):
+            at = first + dt.timedelta(seconds=s)
+            if (at < utc_start if reverse else at > utc_start) and (
+                    last is None or (at < last if reverse else at > last)):
+                last = at
+                yield at.astimezone(zone)
 
 
 def slots_between(expr: str, zone: ZoneInfo, after: dt.datetime, until: dt.datetime,
                   limit: int = MAX_SLOTS_PER_TICK) -> list[dt.datetime]:
     """Instants (UTC) of ``expr`` in (after, until], at most ``limit``."""
     found: list[dt.datetime] = []
-    for local in CronSim(expr, after.astimezone(zone)):
+    for local in _instants(expr, zone, after):
         at = local.astimezone(UTC)
         if at > until or len(found) >= limit:
             break
@@ -79,7 +112,7 @@ def slots_between(expr: str, zone: ZoneInfo, after: dt.datetime, until: dt.datet
 @functools.lru_cache(maxsize=16384)
 def next_slot(expr: str, zone: ZoneInfo, after: dt.datetime) -> dt.datetime:
     """The first instant (UTC) of ``expr`` strictly after ``after``."""
-    for local in CronSim(expr, after.astimezone(zone)):
+    for local in _instants(expr, zone, after):
         at = local.astimezone(UTC)
         if at > after:
             return at
@@ -93,7 +126,7 @@ def previous_slots(expr: str, zone: ZoneInfo, until: dt.datetime, n: int, *,
     found: list[dt.datetime] = []
     # cronsim's reverse walk starts strictly before its start: start a second later.
     start = (until + dt.timedelta(seconds=1)).replace(microsecond=0)
-    for local in CronSim(expr, start.astimezone(zone), reverse=True):
+    for local in _instants(expr, zone, start, reverse=True):
         at = local.astimezone(UTC)
         if after is not None and at <= after:
             break
@@ -142,6 +175,9 @@ class Job:
     paused: bool = False
     paused_at: dt.datetime | None = None
     resumed_at: dt.datetime | None = None
+    #: Earlier pauses whose slots may not all be decided yet (``pgcoord.schedule_pauses``):
+    #: (paused_at, resumed_at or None while paused).
+    pauses: tuple[tuple[dt.datetime, dt.datetime | None], ...] = ()
     in_code: bool = True
     #: Every slot at or before this instant is decided (by some replica).
     after: dt.datetime | None = None
@@ -156,7 +192,13 @@ class Job:
         return next_slot(self.expr, self.tz, after)
 
     def is_paused_slot(self, at: dt.datetime) -> bool:
-        """Whether slot ``at`` falls in the schedule's latest pause."""
+        """Whether slot ``at`` falls in a pause of the schedule: its latest, or an
+        earlier one of ``pauses``."""
+        for start, end in self.pauses:
+            if start < at and (end is None or at <= end):
+                return True
+        if self.paused and self.paused_at is None:
+            return True  # paused by a hand-written UPDATE that gave no instant: all of it
         if self.paused_at is None or at <= self.paused_at:
             return False
         return self.paused or (self.resumed_at is not None and at <= self.resumed_at)

@@ -16,14 +16,14 @@ import asyncio
 import datetime as dt
 import logging
 import os
-import random
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._core.aio import CLEANUP_TIMEOUT, absorb_cancel, consume_result
+from .._core.aio import CLEANUP_TIMEOUT, Supervisor, absorb_cancel, consume_result
+from .._core.checks import count, seconds, text
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
 from ..errors import PgcoordError, SchemaMissing
@@ -34,8 +34,10 @@ from . import plan
 from . import schedules as _schedules
 from .alerts import FailingWatch
 from .claims import Claims
-from .cron import Job, seconds
+from .cron import Job
+from .jitter import Jitters
 from .membership import MemberLink
+from .own_member import OwnMember
 from .registry import JobFn, Registry
 from .runner import NotJoined, Slot
 from .runs import Runs
@@ -52,6 +54,8 @@ log = logging.getLogger("pgcoord.scheduler")
 UTC = dt.UTC
 PRUNE_EVERY = 300.0  # seconds between retention passes of one replica
 ALERT_EVERY = 60.0  # seconds between looks for schedules that keep failing
+ALERT_AFTER_MAX = 10_000
+NEXT_RUNS_MAX = 100_000
 
 
 class Scheduler:
@@ -75,8 +79,10 @@ class Scheduler:
         if member is not None and runner is not None:
             raise ValueError("runner= and member= exclude each other: with a member, the runner "
                              "is named after the member")
-        if isinstance(alert_after, bool) or not isinstance(alert_after, int) or alert_after < 1:
-            raise ValueError(f"alert_after must be an int >= 1, got {alert_after!r}")
+        # Each check walks back alert_after slots of every schedule: bounded.
+        count(alert_after, "alert_after", maximum=ALERT_AFTER_MAX)
+        if runner is not None:
+            text(runner, "runner")  # stored in job_slots.runner
         max_sleep = seconds(tick, "tick", minimum=0.01) or 1.0
         capacity = pool_capacity(source)
         self._source = source
@@ -89,7 +95,15 @@ class Scheduler:
         self._runs = Runs(source, capacity, self._wake)
         self._claims = Claims(self._store, self._runs)
         self._member_link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+        # The README's form (neither member= nor runner=) ties its claims to a
+        # member of its own during run() (own_member.py).
+        self._own = OwnMember(source, self._runner) if member is None and runner is None else None
         self._alerts = FailingWatch(alert_after)
+        self._jitters = Jitters(self._decide_jittered, self._wake)
+        # Recovery, retention and alerts: one pass at a time, beside the loop (a
+        # retention pass over 10,000 schedules takes seconds; no tick waits for it).
+        self._chores = Supervisor("scheduler housekeeping", log)
+        self._chore_tasks: dict[str, asyncio.Task[None]] = {}
         # The loop's state.
         #: Every schedule this replica runs (code and runtime), as last loaded.
         self._specs: dict[str, Job] = {}
@@ -97,13 +111,18 @@ class Scheduler:
         self._max_sleep = max_sleep
         self._run_task: asyncio.Task[Any] | None = None
         self._draining = False
+        self._stop_pending = False  # stop() before run(): the next run() returns at once
         self._drain = 30.0
-        self._clock_offset = 0.0  # database clock minus local wall clock
+        # The last tick's database clock (epoch seconds) and the monotonic clock when
+        # it was read: the loop sleeps from there, and never works out the database's
+        # time from the local wall clock.
+        self._ticked = (0.0, 0.0)
         # Seconds this scheduler's ticks run ahead of the database clock: 0, except
         # under pgcoord.testing.advance(), which moves a test's scheduler forward.
         self._time_shift = 0.0
         self._last_recover = 0.0
         self._last_prune = 0.0
+        self._min_ttl = 30.0  # the shortest claim_ttl of the schedules loaded
         self._last_alert_check = time.monotonic()
 
     @property
@@ -117,7 +136,7 @@ class Scheduler:
         ``<member name>/<member id>``: claims are tied to the member's session, so
         when that ends every replica expires them at once (and this replica stops
         the bodies that ran under them)."""
-        member = self._member
+        member = self._member or (self._own.member if self._own is not None else None)
         if member is None:
             return self._runner
         if member.id is None:
@@ -152,6 +171,9 @@ class Scheduler:
 
     def next_runs(self, job: str, n: int = 5, *, after: dt.datetime | None = None) -> list[dt.datetime]:
         """The next ``n`` scheduled instants of ``job`` (aware, UTC)."""
+        count(n, "n", minimum=0, maximum=NEXT_RUNS_MAX)
+        if after is not None and (not isinstance(after, dt.datetime) or after.utcoffset() is None):
+            raise ValueError(f"after must be an aware datetime, got {after!r}")
         return plan.upcoming(self._job(job), after or dt.datetime.now(UTC), n)
 
     def _job(self, job: str) -> Job:
@@ -220,11 +242,23 @@ class Scheduler:
                              "or @scheduler.job(...)")
         if self._run_task is not None:
             raise RuntimeError("this Scheduler is already running")
+        if self._stop_pending:  # stop() came first (a shutdown before the start): it holds
+            self._stop_pending = False
+            return
         self._run_task, self._draining = asyncio.current_task(), False
         self._runs.stopping = False
         unhook = self._member_link.hook()
+        own_unhook: list[Callable[[], None]] = []
+
+        async def own_joined(member: Member) -> None:
+            link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
+            own_unhook.append(link.hook())
+            await link.listen()
+
         declaring: asyncio.Task[None] | None = None
         try:
+            if self._own is not None:
+                await self._own.open(own_joined)
             declaring = await self._register()
             await self._member_link.listen()
             failures = 0
@@ -239,9 +273,13 @@ class Scheduler:
                                 failures, pause, exc)
                 else:
                     failures = 0
-                    pause = max(0.0, min(wake - self._db_now(), self._max_sleep))
+                    db_now, read_at = self._ticked
+                    pause = max(0.0, min(wake - db_now - (time.monotonic() - read_at), self._max_sleep))
                 await self._sleep(pause)
-            # Draining: no more claims; let running slots finish for a while.
+            # Draining: no more claims (a jittered decision already sent is let finish,
+            # and its runs with the others); let running slots finish for a while.
+            await self._jitters.stop()
+            await self._chores.stop()
             running = self._runs.tasks()
             if running:
                 await asyncio.wait(running, timeout=self._drain)
@@ -254,7 +292,13 @@ class Scheduler:
             if declaring is not None:
                 declaring.cancel()
                 declaring.add_done_callback(consume_result)
+            await self._jitters.stop()
+            await self._chores.stop()
             await self._runs.close()
+            for own in own_unhook:
+                own()
+            if self._own is not None:
+                await self._own.close()
             self._run_task = None
 
     async def _register(self) -> asyncio.Task[None] | None:
@@ -276,8 +320,9 @@ class Scheduler:
         return None
 
     async def _declare(self) -> None:
-        at = await self._store.declare(self._registry.declared())
-        self._clock_offset = at.timestamp() - time.time()
+        # A changed expression first, as update() changes one: counted from the change.
+        await _schedules.redeclare(self._source, self.jobs.values())
+        await self._store.declare(self._registry.declared())
 
     async def _declare_again(self) -> None:
         failures = 0
@@ -305,9 +350,15 @@ class Scheduler:
 
     async def stop(self, *, drain: float = 30.0) -> None:
         """Stop claiming slots, let running ones finish for up to ``drain`` seconds, then
-        cancel the rest (recorded abandoned; a retry job's slot is left to another replica)."""
+        cancel the rest (recorded abandoned; a retry job's slot is left to another replica).
+        Called before ``run()`` has started (a shutdown that comes first), it holds: the
+        next ``run()`` returns at once."""
+        seconds(drain, "drain")
         task = self._run_task
         if task is None:
+            # Not running yet (or a task made to run it has not started): the next
+            # run() returns at once rather than going on for ever.
+            self._stop_pending = True
             return
         self._drain = drain
         self._draining = True
@@ -318,29 +369,50 @@ class Scheduler:
             task.cancel()
             await asyncio.wait({task})
 
-    def _db_now(self) -> float:
-        return time.time() + self._clock_offset
+    async def _now(self) -> dt.datetime:
+        """The database clock (moved on by ``pgcoord.testing.advance()``)."""
+        return await self._store.now() + dt.timedelta(seconds=self._time_shift)
 
     async def _reload(self) -> None:
         """Load every schedule this replica has a handler for; keep what was decided
-        of those whose version did not change."""
-        epoch, rows = await self._store.load(list(self._registry.handlers), list(self.jobs))
-        specs: dict[str, Job] = {}
+        of those whose version did not change. Once loaded, a reload reads the
+        versions and loads only the schedules whose version moved (or that are new):
+        one change costs one schedule's row, not all of them (~0.14 s for 10,000)."""
+        handlers, jobs = list(self._registry.handlers), list(self.jobs)
+        loaded = self._specs
+        names: list[str] | None = None
+        if loaded:
+            epoch, versions = await self._store.versions(handlers, jobs)
+            # A schedule removed and added again has version 1 again, from a new since.
+            names = [name for name, (version, since) in versions.items()
+                     if (old := loaded.get(name)) is None or old.version != version
+                     or old.registered_at != since]
+            kept = {name: loaded[name] for name in versions if name in loaded and name not in names}
+        rows: list[tuple[Any, ...]] = []
+        if names is None:
+            epoch, rows = await self._store.load(handlers, jobs)
+        elif names:
+            # The counter stays the versions' (the older): a change made between the
+            # two statements moves it past, and the next tick loads that one too.
+            _, rows = await self._store.load(handlers, jobs, names)
+        specs: dict[str, Job] = {} if names is None else kept
         for values in rows:
-            spec = self._registry.spec_from_row(values, self._specs)
+            spec = self._registry.spec_from_row(values, loaded)
             if spec is not None:
                 specs[spec.name] = spec
         self._specs, self._epoch = specs, epoch
+        self._min_ttl = min((s.claim_ttl for s in specs.values()), default=30.0)
 
     async def tick(self) -> float:
         """One pass over every schedule; returns when (database epoch seconds) to look
         again. The due slots of all schedules are decided together, in batches."""
         now, epoch, owed = await self._store.clock()
         now += dt.timedelta(seconds=self._time_shift)
-        self._clock_offset = now.timestamp() - time.time()
-        # A reload (of every schedule: ~0.2 s for 10,000) comes after this tick's
-        # decisions, not before, so that a stream of changes does not hold up the
-        # slots of the schedules that did not change. Deciding under the versions
+        self._ticked = (now.timestamp(), time.monotonic())
+        # A reload (of the schedules whose version moved; all of them at the start:
+        # ~0.5 s for 10,000) comes after this tick's decisions, not before, so that a
+        # stream of changes does not hold up the slots of the schedules that did not
+        # change. Deciding under the versions
         # loaded is safe: a claim for a schedule changed since comes back stale,
         # inserts nothing, and its slots are decided again at once after the reload.
         if self._epoch is None:
@@ -357,17 +429,39 @@ class Scheduler:
                 await self._take_owed(owed)
             except Exception as exc:
                 log.warning("scheduler: taking owed runs failed: %r", exc)
-        await self._housekeeping()
-        return plan.next_wake(self._specs.values(), now, self._max_sleep)
+        await self._do_housekeeping()
+        if self._claimant() is None:
+            # Nothing is decided while the member (re)joins, so a due slot stays due:
+            # waking for it would spin. The member's rejoining wakes the loop.
+            return now.timestamp() + self._max_sleep
+        # Not for a schedule whose jitter wait is on (its task decides it and wakes
+        # the loop) nor one whose next slot waits for a run still going (the run's
+        # end wakes the loop): their next_due is past, and would spin it.
+        waiting = self._claims.waiting
+        specs: Iterable[Job] = self._specs.values()
+        if waiting or len(self._jitters):
+            specs = [s for s in specs
+                     if not self._jitters.busy(s.name) and waiting.get(s.name) != s.next_due]
+        return plan.next_wake(specs, now, self._max_sleep)
 
     async def _decide_due(self, now: dt.datetime) -> None:
+        """Decide what is due now; a jittered schedule's slots are decided by a task of
+        its own after its wait (``jitter``), never in the tick."""
         plain, jittered = plan.due(self._specs.values(), now)
-        await asyncio.gather(self._decide(plain, now),
-                             *(self._decide_jittered(s) for s in jittered))
+        await self._decide(plain, now)
+        for spec in jittered:
+            self._jitters.start(spec)
 
-    async def _decide_jittered(self, spec: Job) -> None:
-        await asyncio.sleep(random.uniform(0, spec.jitter))
-        await self._decide([spec], dt.datetime.fromtimestamp(self._db_now(), UTC))
+    async def _decide_jittered(self, name: str) -> None:
+        """After its jitter wait: decide what of schedule ``name`` is due, on the
+        database clock as it is now (the schedule as last loaded: it may have changed
+        or gone during the wait)."""
+        spec = self._specs.get(name)
+        if self._draining or spec is None or not spec.jitter:
+            return
+        now = await self._now()
+        if spec.next_due is not None and spec.next_due <= now:
+            await self._decide([spec], now)
 
     async def _decide(self, specs: list[Job], now: dt.datetime) -> None:
         """Decide the due slots of ``specs`` (``Claims.decide``), unless the member is
@@ -386,31 +480,42 @@ class Scheduler:
         if mine and runner is not None:
             await self._claims.take_owed(mine, runner)
 
-    async def _housekeeping(self) -> None:
-        """Expired claims, retention and failure alerts, each now and then; a pass
-        that fails is logged and tried again later."""
-        specs = list(self._specs.values())
-        if not specs:
+    async def _do_housekeeping(self) -> None:
+        """Recovery of expired claims, retention and failure alerts, each now and then.
+        Each runs in a task of its own, one pass at a time, so that no tick waits for
+        it (a retention pass over 10,000 schedules took a tick 7.6 s) and a long one
+        does not hold up another (recovery after a member left); a chore whose last
+        pass still goes on waits for a later tick. Called on its own, ``tick()`` does
+        them before it returns."""
+        if not self._specs:
             return
         clock = time.monotonic()
-        if clock - self._last_recover >= min(s.claim_ttl for s in specs) / 3:
-            self._last_recover = clock
-            try:
-                await self._recover(specs)
-            except Exception as exc:
-                log.warning("scheduler: looking for lost claims failed: %r", exc)
-        if clock - self._last_prune > PRUNE_EVERY:
-            self._last_prune = clock
-            try:
-                await self._store.prune(specs)
-            except Exception as exc:
-                log.warning("scheduler: retention pass failed: %r", exc)
-        if clock - self._last_alert_check > ALERT_EVERY:
-            self._last_alert_check = clock
-            try:
-                await self.check_failing()
-            except Exception as exc:
-                log.warning("scheduler: looking for failing jobs failed: %r", exc)
+        chores: list[tuple[str, str, float, Callable[[list[Job]], Awaitable[Any]]]] = [
+            ("_last_recover", "looking for lost claims", self._min_ttl / 3, self._recover),
+            ("_last_prune", "retention pass", PRUNE_EVERY, self._store.prune),
+            ("_last_alert_check", "looking for failing jobs", ALERT_EVERY,
+             lambda _: self.check_failing()),
+        ]
+        for last, what, every, work in chores:
+            if clock - getattr(self, last) < every:
+                continue
+            inline = self._run_task is not asyncio.current_task()
+            if not inline and (task := self._chore_tasks.get(what)) is not None and not task.done():
+                continue
+            setattr(self, last, clock)
+            if inline:
+                await self._chore(what, work)
+            else:
+                self._chore_tasks[what] = self._chores.spawn(
+                    self._chore(what, work), f"pgcoord-scheduler-chore:{what}")
+
+    async def _chore(self, what: str, work: Callable[[list[Job]], Awaitable[Any]]) -> None:
+        """One chore's pass over the schedules loaded; a pass that fails is logged and
+        tried again at its next turn."""
+        try:
+            await work(list(self._specs.values()))
+        except Exception as exc:
+            log.warning("scheduler: %s failed: %r", what, exc)
 
     async def _recover(self, specs: list[Job]) -> None:
         runner = self._claimant()
@@ -430,6 +535,7 @@ class Scheduler:
 
     async def prune(self, job: str, *, batch: int = 1000) -> int:
         """Delete this job's finished rows older than its ``keep``, in batches; the count."""
+        count(batch, "batch")
         return await self._store.prune([self._job(job)], batch=batch)
 
     async def check_failing(self) -> list[str]:

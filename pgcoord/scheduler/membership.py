@@ -47,9 +47,6 @@ class MemberLink:
             return lambda: None
         tasks = Supervisor("scheduler member link", log)
 
-        def keep(task: asyncio.Task[Any]) -> None:
-            tasks.adopt(task, collected=True)
-
         def spawn(coro: Coroutine[Any, Any, None]) -> None:
             tasks.spawn(coro, "pgcoord-scheduler-member", collected=True)
 
@@ -57,8 +54,7 @@ class MemberLink:
             spawn(self._expire_claims_of(member_id))
 
         def on_session_lost(old_id: int) -> None:
-            for cut in self._runs.cut_off_session(f"/{old_id}"):
-                keep(cut)
+            self._runs.cut_off_session(f"/{old_id}")
             # A change notified while the session is away is lost: tick (and read
             # the change counter) as soon as the member listens again, not at the
             # next tick, which may be `tick` seconds away.

@@ -6,19 +6,33 @@ rows loaded from ``pgcoord.schedules`` as the ``Job`` objects it runs. No I/O.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from .._core.checks import seconds, text
 from ..errors import UnsupportedConnection
 from . import schedules as _schedules
-from .cron import Handler, Job, check_expr, check_zone, seconds
+from .cron import Handler, Job, check_expr, check_zone
 from .runner import Slot, as_utc
 
 log = logging.getLogger("pgcoord.scheduler")
 
 JobFn = Callable[[Slot], Coroutine[Any, Any, Any]]
+
+
+def _pauses(text: str | None) -> tuple[tuple[dt.datetime, dt.datetime | None], ...]:
+    """``schedule_load``'s pauses of a schedule (JSON pairs of UTC instants)."""
+    if text is None:
+        return ()
+    return tuple((_instant(start), None if end is None else _instant(end))
+                 for start, end in json.loads(text))
+
+
+def _instant(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.UTC)
 
 
 class Registry:
@@ -37,8 +51,7 @@ class Registry:
         claim_ttl: float, keep: float, timeout: float | None,
     ) -> Callable[[JobFn], JobFn]:
         """``Scheduler.cron``."""
-        if not isinstance(job, str) or not job:
-            raise ValueError("job name must be a non-empty str")
+        text(job, "job name")
         if job in self.jobs:
             raise ValueError(f"job {job!r} is already registered")
         zone = check_zone(tz)
@@ -68,8 +81,7 @@ class Registry:
     def job(self, handler: str, *, transactional: bool, jitter: float, claim_ttl: float,
             keep: float) -> Callable[[JobFn], JobFn]:
         """``Scheduler.job``."""
-        if not isinstance(handler, str) or not handler:
-            raise ValueError("handler name must be a non-empty str")
+        text(handler, "handler name")
         if handler in self.handlers:
             raise ValueError(f"handler {handler!r} is already registered")
         spec = self._handler(handler, None, transactional, jitter, claim_ttl, keep)
@@ -112,10 +124,14 @@ class Registry:
         ``loaded`` if its version did not change, else a new one that keeps what was
         decided of it; None when this replica has no function for it, or cannot read it."""
         (name, handler_name, expr, tz, args, paused, on_crash, catch_up, deadline, allow_overlap,
-         timeout, max_attempts, in_code, since, paused_at, resumed_at, version, last) = values
+         timeout, max_attempts, in_code, since, paused_at, resumed_at, version, last,
+         pauses) = values
         version = int(version)
+        since = as_utc(since)
         old = loaded.get(name)
-        if old is not None and old.version == version:
+        # The same version of the same schedule: a schedule removed and added again
+        # starts at version 1 again, but counts from a new `since`.
+        if old is not None and old.version == version and old.registered_at == since:
             return old
         handler: Handler | Job | None = self.jobs.get(name) if in_code else self.handlers.get(handler_name)
         if handler is None:
@@ -128,7 +144,6 @@ class Registry:
                 self._bad_rows.add((name, version))
                 log.error("schedule %r (version %d) cannot run: %s", name, version, exc)
             return None
-        since = as_utc(since)
         spec = Job(
             name=name, expr=expr, tz=zone, fn=handler.fn, on_crash=on_crash,
             max_attempts=int(max_attempts), catch_up=catch_up,
@@ -139,6 +154,7 @@ class Registry:
             handler=handler_name, args=json.loads(args), version=version, paused=bool(paused),
             paused_at=None if paused_at is None else as_utc(paused_at),
             resumed_at=None if resumed_at is None else as_utc(resumed_at), in_code=bool(in_code),
+            pauses=_pauses(pauses),
         )
         decided = [since] + ([] if last is None else [as_utc(last)])
         if old is not None and old.after is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from .._core.aio import CLEANUP_TIMEOUT, CleanupTimeout, finish_despite_cancel
 from .cron import Job
 from .finisher import Finisher
-from .runner import Claim, Run, Slot, SlotRunner
+from .runner import Run, Slot, SlotRunner, claim_tenure
 
 log = logging.getLogger("pgcoord.scheduler")
 
@@ -58,21 +58,18 @@ class Runs(SlotRunner):
     async def execute(self, spec: Job, slot: Slot, sent: float, runner: str) -> None:
         """Run ``slot`` (claimed as for ``start()``) in the caller's task, until it has
         ended and its end is recorded."""
-        await self._execute(Run(spec, slot, Claim(spec.claim_ttl, sent), runner))
+        await self._execute(Run(spec, slot, claim_tenure(spec, slot, sent), runner))
 
     def tasks(self) -> list[asyncio.Task[None]]:
         return [run.task for run in self._running.values() if run.task is not None]
 
-    def cut_off_session(self, suffix: str) -> list[asyncio.Task[None]]:
+    def cut_off_session(self, suffix: str) -> None:
         """The member session whose runner names end in ``suffix`` ended, and the
-        claims tied to it with it: each body running under one loses its claim.
-        Returns the tasks that cancel each body again until it has ended."""
-        cuts: list[asyncio.Task[None]] = []
+        claims tied to it with it: each run under one loses its claim (its body is
+        cancelled until it ends by the run's own task)."""
         for run in list(self._running.values()):
-            if run.runner.endswith(suffix) and run.body is not None:
-                self._lose(run, run.body, "the member's session, which the claim is tied to, ended")
-                cuts.append(asyncio.ensure_future(self._insist(run, run.body)))
-        return cuts
+            if run.runner.endswith(suffix):
+                run.tenure.lose("the member's session, which the claim is tied to, ended")
 
     async def close(self) -> None:
         """Stop every run, then the finisher, each within its bound (what does not end

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+from zoneinfo import ZoneInfo
 
+from .._core.checks import count, no_nul, seconds, text
 from .._core.queries import query
 from .._drivers import run_statement
-from .cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, previous_slots, seconds
+from .cron import CATCH_UP, ON_CRASH, check_expr, check_zone, next_slot, previous_slots
 
 __all__ = ["SCHEDULES_CHANNEL", "ScheduleInfo"]
 
@@ -68,6 +71,9 @@ class ScheduleInfo:
     next_run_at: dt.datetime | None
     #: Failed or abandoned slots since the latest success.
     failures_in_row: int
+    #: Why no replica can run it (an expression or zone written through SQL that the
+    #: library refuses), else None. ``update()`` with a good ``expr``/``tz`` repairs it.
+    error: str | None = None
 
 
 def check_options(*, on_crash: Any = "skip", max_attempts: Any = 3, catch_up: Any = "latest",
@@ -78,8 +84,7 @@ def check_options(*, on_crash: Any = "skip", max_attempts: Any = 3, catch_up: An
         raise ValueError(f"on_crash must be one of {ON_CRASH}, not {on_crash!r}")
     if catch_up not in CATCH_UP:
         raise ValueError(f"catch_up must be one of {CATCH_UP}, not {catch_up!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ValueError("max_attempts must be an int >= 1")
+    count(max_attempts, "max_attempts")  # an integer column
     if not isinstance(allow_overlap, bool):
         raise ValueError(f"allow_overlap must be a bool, got {allow_overlap!r}")
     if timeout is not None and seconds(timeout, "timeout") == 0:
@@ -91,16 +96,22 @@ def check_options(*, on_crash: Any = "skip", max_attempts: Any = 3, catch_up: An
 
 
 def _check_name(name: Any, what: str = "schedule name") -> str:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what} must be a non-empty str, got {name!r}")
-    return name
+    return text(name, what)
 
 
 def _json_args(args: Any) -> str:
+    """``args`` as the JSON text jsonb stores. TypeError for a value that is not
+    JSON; ValueError for one jsonb cannot hold (NaN, infinity, a NUL character) or
+    that is too big to write (an int of more digits than Python converts)."""
+    value = {} if args is None else args
     try:
-        return json.dumps({} if args is None else args, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        encoded = json.dumps(value, allow_nan=False)
+    except TypeError as exc:
         raise TypeError(f"schedule args must be JSON (dict, list, str, number, bool, None): {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"schedule args cannot be stored as jsonb: {exc}") from exc
+    no_nul(value, "schedule args")
+    return encoded
 
 
 async def add(source: Any, name: str, expr: str, *, handler: str, tz: str = "UTC", args: Any = None,
@@ -132,12 +143,37 @@ async def update(source: Any, name: str, **changes: Any) -> ScheduleInfo:
     payload: dict[str, Any] = {k: v for k, v in changes.items() if k != "args"}
     if "args" in changes:
         payload["args"] = json.loads(_json_args(changes["args"]))
+    await _change(source, name, changes, payload, in_code_ok=False)
+    return await get(source, name)
+
+
+async def redeclare(source: Any, specs: Iterable[Any]) -> None:
+    """Before a replica's start declares the code's schedules (``schedule_declare``):
+    each whose expression or zone in code differs from its row is changed as
+    ``update()`` changes one, so that the new expression counts from the change and
+    the old one's slots due before it that no replica recorded are decided by the
+    schedule's catch_up (run once, late, or recorded missed, reason 'changed')."""
+    for spec in specs:
+        row = await run_statement(source, query("schedule_get"), (spec.name,))
+        if row is None or (row[0], row[1]) == (spec.expr, spec.tz.key):
+            continue
+        changes = {"expr": spec.expr, "tz": spec.tz.key}
+        try:
+            await _change(source, spec.name, changes, changes, in_code_ok=True)
+        except ValueError:
+            # The row's own expression cannot be read (written by hand in SQL): its slots
+            # cannot be worked out; schedule_declare still counts the new one from now.
+            continue
+
+
+async def _change(source: Any, name: str, changes: dict[str, Any], payload: dict[str, Any], *,
+                  in_code_ok: bool) -> None:
     for _ in range(_UPDATE_TRIES):
         row = await run_statement(source, query("schedule_get"), (name,))
         if row is None:
             raise ValueError(f"no schedule named {name!r}")
         old_expr, old_tz, since, version, in_code, now, last = row
-        if in_code:
+        if in_code and not in_code_ok:
             raise ValueError(f"schedule {name!r} is declared in code (@sched.cron): change it "
                              "there (pause() and resume() work on it)")
         new_tz = changes.get("tz", old_tz)
@@ -151,13 +187,36 @@ async def update(source: Any, name: str, **changes: Any) -> ScheduleInfo:
             after = max(since, last) if last is not None else since
             # Walked back from the horizon: the latest ones are those catch_up
             # decides on, and a backlog beyond the bound costs no walk over it.
-            missed = previous_slots(old_expr, check_zone(old_tz), horizon, CHANGED_SLOTS_MAX,
-                                    after=after)[::-1]
+            old_zone = _readable(old_expr, old_tz)
+            if old_zone is not None:  # an unreadable row (written through SQL) had no slots
+                missed = previous_slots(old_expr, old_zone, horizon, CHANGED_SLOTS_MAX,
+                                        after=after)[::-1]
         done = await run_statement(source, query("schedule_update"), (
             name, json.dumps(payload), version, horizon, missed))
         if done is not None and done[0] is not None:
-            return await get(source, name)
+            return
     raise ValueError(f"schedule {name!r} kept changing under update(); try again")
+
+
+def _readable(expr: Any, tz: Any) -> ZoneInfo | None:
+    """The zone of a stored row whose expression and zone the library can read; None
+    for one written through SQL that it cannot."""
+    try:
+        zone = check_zone(tz)
+        check_expr(expr, zone)
+    except ValueError:
+        return None
+    return zone
+
+
+def row_error(expr: Any, tz: Any) -> str | None:
+    """Why a stored schedule cannot run (a bad expression or zone written through
+    SQL), or None."""
+    try:
+        check_expr(expr, check_zone(tz))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 async def pause(source: Any, name: str) -> None:
@@ -207,13 +266,16 @@ def infos(now: dt.datetime, text: str | list[Any]) -> list[ScheduleInfo]:
     now = now.astimezone(UTC)
     found = []
     for r in rows:
-        try:
-            zone = check_zone(r["tz"])
+        # One row written badly through SQL is listed, flagged, and hides no other.
+        error = row_error(r["expr"], r["tz"])
+        next_at: dt.datetime | None = None
+        if error is None:
             since = _when(r["since"])
             assert since is not None
-            next_at: dt.datetime | None = next_slot(r["expr"], zone, max(now, since))
-        except ValueError:
-            next_at = None
+            try:
+                next_at = next_slot(r["expr"], check_zone(r["tz"]), max(now, since))
+            except ValueError:  # it never fires again
+                next_at = None
         found.append(ScheduleInfo(
             name=r["name"], handler=r["handler"], expr=r["expr"], tz=r["tz"], args=r["args"],
             paused=r["paused"], on_crash=r["on_crash"], catch_up=r["catch_up"],
@@ -222,6 +284,6 @@ def infos(now: dt.datetime, text: str | list[Any]) -> list[ScheduleInfo]:
             created_at=_when(r["created_at"]) or now, updated_at=_when(r["updated_at"]) or now,
             version=r["version"], last_run_at=_when(r["last_run_at"]),
             last_state=r["last_state"], last_reason=r["last_reason"], next_run_at=next_at,
-            failures_in_row=r["failures_in_row"],
+            failures_in_row=r["failures_in_row"], error=error,
         ))
     return found

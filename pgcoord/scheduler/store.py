@@ -39,6 +39,12 @@ def refuse_shared_connection(source: Any) -> None:
         )
 
 
+def _overlap(spec: Job) -> str:
+    """What a manual run (trigger, backfill) of ``spec`` does beside another run: go
+    ahead if the job allows overlap, else wait for it to end."""
+    return "run" if spec.allow_overlap else "wait"
+
+
 class Store:
     """The statements of the loop, of manual runs and of retention, on ``source``."""
 
@@ -59,14 +65,27 @@ class Store:
         assert row is not None
         return as_utc(row[0])
 
-    async def load(self, handlers: list[str], jobs: list[str]) -> tuple[int, list[tuple[Any, ...]]]:
+    async def load(self, handlers: list[str], jobs: list[str], names: list[str] | None = None,
+                   ) -> tuple[int, list[tuple[Any, ...]]]:
         """``schedule_load``: the change counter, and a row for every schedule that
-        names one of ``handlers`` or (declared in code) is one of ``jobs``."""
-        row = await run_statement(self._source, query("schedule_load"), (handlers, jobs))
+        names one of ``handlers`` or (declared in code) is one of ``jobs`` (and, given
+        ``names``, is one of them)."""
+        row = await run_statement(self._source, query("schedule_load"), (handlers, jobs, names))
         assert row is not None
         columns = row[2:]
         rows = [] if columns[0] is None else list(zip(*columns, strict=True))
         return int(row[0]), rows
+
+    async def versions(self, handlers: list[str], jobs: list[str],
+                       ) -> tuple[int, dict[str, tuple[int, dt.datetime]]]:
+        """``schedule_versions``: the change counter, and the version and ``since`` of
+        each schedule ``load`` would load, by name."""
+        row = await run_statement(self._source, query("schedule_versions"), (handlers, jobs))
+        assert row is not None
+        if row[1] is None:
+            return int(row[0]), {}
+        return int(row[0]), {name: (int(v), as_utc(since))
+                             for name, v, since in zip(row[1], row[2], row[3], strict=True)}
 
     async def declare(self, declared: str) -> dt.datetime:
         """``schedule_declare``: write the code's schedules (JSON); the database clock."""
@@ -88,9 +107,11 @@ class Store:
     async def take_owed(self, specs: list[Job], ats: list[Any], runs: list[bool], runner: str,
                         ) -> list[tuple[str, dt.datetime, int, bool]]:
         """``schedule_take_owed``: claim the owed runs that ``runs`` says are owed (and
-        drop the others); the (job, slot, attempt, manual) claimed."""
+        drop the others); the (job, slot, attempt, manual) claimed. Of a job that must
+        not overlap, only its earliest, and only while none of its runs is going."""
         row = await run_statement(self._source, query("schedule_take_owed"), (
-            [s.name for s in specs], ats, runs, [int(s.claim_ttl * 1000) for s in specs], runner))
+            [s.name for s in specs], ats, runs, [int(s.claim_ttl * 1000) for s in specs],
+            [s.allow_overlap for s in specs], runner))
         if row is None or row[0] is None:
             return []
         return [(job, as_utc(at), int(attempt), bool(manual))
@@ -118,18 +139,23 @@ class Store:
             if deleted < batch:
                 return total
 
-    async def claim_now(self, spec: Job, runner: str) -> tuple[Any, int]:
-        """``job_claim_now``: a manual slot of ``spec``, claimed; (its instant, attempt)."""
+    async def claim_now(self, spec: Job, runner: str) -> tuple[Any, int] | None:
+        """``job_claim_now``: a manual slot of ``spec``, claimed; (its instant, attempt),
+        or None while another run of a job that must not overlap is going."""
         row = await run_statement(self._source, query("job_claim_now"),
-                                  (spec.name, runner, int(spec.claim_ttl * 1000)))
-        assert row is not None
+                                  (spec.name, runner, int(spec.claim_ttl * 1000), _overlap(spec)))
+        if row is None or row[0] == "waiting":
+            return None
         return row[2], int(row[1])
 
-    async def claim(self, spec: Job, at: dt.datetime, runner: str) -> int | None:
-        """``job_claim``: slot ``at`` of ``spec`` for ``runner``; its attempt, or None if
-        the slot has a row already."""
+    async def claim(self, spec: Job, at: dt.datetime, runner: str) -> int | str | None:
+        """``job_claim``: slot ``at`` of ``spec`` for ``runner``; its attempt, None if
+        the slot has a row already, or ``"waiting"`` while another run of a job that
+        must not overlap is going."""
         claim = await run_statement(self._source, query("job_claim"),
-                                    (spec.name, at, runner, int(spec.claim_ttl * 1000), "run"))
+                                    (spec.name, at, runner, int(spec.claim_ttl * 1000), _overlap(spec)))
+        if claim is not None and claim[0] == "waiting":
+            return "waiting"
         if claim is None or claim[0] != "running":
             return None
         return int(claim[1])

@@ -1,12 +1,13 @@
 """One replica for the scheduler fault tests, run as its own process.
 
-    python scheduler_replica.py DSN JOB MODE LABEL [member CLAIM_TTL]
+    python scheduler_replica.py DSN JOB MODE LABEL [member CLAIM_TTL | readme]
 
 MODE is "skip", "retry" or "transactional". A per-second job records each
 start in job_starts (autocommit, before the work) and then works for 0.4 s;
 transactional mode writes its effect into job_effects inside the slot's
 transaction. With ``member``, the scheduler's claims are tied to a Member (its
-runner is then the member's name and id). SIGTERM stops the scheduler gracefully.
+runner is then the member's name and id). With ``readme``, the scheduler is the
+README's form as written: ``Scheduler(pool)``, the default claim_ttl. SIGTERM stops the scheduler gracefully.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from pgcoord.scheduler import Scheduler, Slot
 async def main(dsn: str, job: str, mode: str, label: str, *extra: str) -> None:
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=4)
     member = pgcoord.Member(dsn, group=f"sched:{job}", name=label) if extra[:1] == ("member",) else None
-    claim_ttl = float(extra[1]) if len(extra) > 1 else 1.0
+    readme = extra[:1] == ("readme",)
+    claim_ttl = float(extra[1]) if len(extra) > 1 else 30.0 if readme else 1.0
     if member is not None:
         await member.open()
         print(f"MEMBER {member.id}", flush=True)
-    sched = Scheduler(pool, runner=None if member else label, member=member)
+    sched = (Scheduler(pool) if readme
+             else Scheduler(pool, runner=None if member else label, member=member))
 
     # skip mode keeps up with real time (a slot due while a dead runner's claim
     # has not expired yet is recorded skipped); the retry modes run every slot.

@@ -130,3 +130,52 @@ async def test_a_frozen_first_host_in_a_key_value_dsn(dsn: str) -> None:
                 pass
     finally:
         frozen.close()
+
+
+@pytest.mark.parametrize("form", ["url", "key=value"])
+def test_a_frozen_first_host_does_not_stall_the_operator_commands(dsn: str, form: str) -> None:
+    """status, jobs and doctor give each host its own connect timeout too: a first host
+    that never answers costs them its timeout, not the whole command."""
+    import subprocess
+    import sys
+    import time
+
+    frozen = _frozen_listener()
+    port, db = _port_and_db(dsn)
+    frozen_port = frozen.getsockname()[1]
+    if form == "url":
+        multi = (f"postgresql://postgres@127.0.0.1:{frozen_port},127.0.0.1:{port}/{db}"
+                 "?target_session_attrs=read-write&connect_timeout=2")
+    else:
+        multi = make_conninfo("", host="127.0.0.1,127.0.0.1", port=f"{frozen_port},{port}",
+                              user="postgres", dbname=db, target_session_attrs="read-write",
+                              connect_timeout="2")
+    try:
+        for command in (["status"], ["jobs"], ["doctor"]):
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pgcoord.cli", *command, "--dsn", multi],
+                                  capture_output=True, text=True, timeout=60)
+            took = time.monotonic() - started
+            # doctor exits 1 when a check fails (this throwaway server is not tuned): not
+            # a connection failure, which would be exit 2 with "could not connect".
+            assert "could not connect" not in done.stderr, (command, done.stderr)
+            assert done.returncode in (0, 1), (command, done.returncode, done.stderr)
+            assert took < 20, (command, took)
+    finally:
+        frozen.close()
+
+
+def test_a_frozen_first_host_does_not_stall_the_sync_twins(dsn: str) -> None:
+    import pgcoord.sync
+
+    frozen = _frozen_listener()
+    port, db = _port_and_db(dsn)
+    multi = (f"postgresql://postgres@127.0.0.1:{frozen.getsockname()[1]},127.0.0.1:{port}/{db}"
+             "?target_session_attrs=read-write")
+    name = unique("frozen-sync")
+    try:
+        with pgcoord.sync.LockHolder(multi, keepalive=2.0) as holder, holder.lock(name):
+            assert sql(dsn, "select count(*) from pgcoord.holders where key = pgcoord.lock_key(%s)"
+                            " and granted", name)[0][0] == 1
+    finally:
+        frozen.close()

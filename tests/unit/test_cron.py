@@ -132,3 +132,47 @@ def test_the_live_loop_decides_the_same_slots_as_a_backfill_across_both_transiti
             spec.next_due = spec.next_after(last)
         assert ran == slots_between(expr, tz, at(start), at(end))
         assert len(ran) == len(set(ran))
+
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+@pytest.mark.parametrize("six, five", [("0 30 2 * * *", "30 2 * * *"), ("0 0 2 * * *", "0 2 * * *"),
+                                       ("0 59 2 * * *", "59 2 * * *")])
+def test_six_fields_follow_debian_across_both_transitions_like_five(six: str, five: str) -> None:
+    # Berlin springs forward on 2026-03-29 at 02:00 CET and falls back on 2026-10-25 at 03:00 CEST.
+    for start, end in (("2026-03-28T00:00:00", "2026-03-30T12:00:00"),
+                       ("2026-10-24T00:00:00", "2026-10-26T12:00:00")):
+        slots = slots_between(six, BERLIN, at(start), at(end))
+        assert slots == slots_between(five, BERLIN, at(start), at(end))
+        days = [s.astimezone(BERLIN).date() for s in slots]
+        assert len(slots) >= 2 and days == sorted(set(days))  # once a night, whatever the night
+        assert next_slot(six, BERLIN, at(start)) == slots[0]
+        assert previous_slots(six, BERLIN, at(end), 9, after=at(start)) == slots[::-1]
+
+
+def test_six_fields_with_seconds_keep_them_within_each_debian_minute() -> None:
+    slots = slots_between("10,40 30 2 * * *", BERLIN, at("2026-03-28T12:00:00"), at("2026-03-29T12:00:00"))
+    # 02:30 does not exist that night: the first minute after the gap, with its seconds.
+    assert slots == [at("2026-03-29T01:00:10"), at("2026-03-29T01:00:40")]
+    slots = slots_between("10,40 30 2 * * *", BERLIN, at("2026-10-24T12:00:00"), at("2026-10-25T12:00:00"))
+    assert slots == [at("2026-10-25T00:30:10"), at("2026-10-25T00:30:40")]  # the first 02:30 only
+    assert next_slot("10,40 30 2 * * *", BERLIN, at("2026-10-25T00:30:10")) == at("2026-10-25T00:30:40")
+    # Fields that are not fixed keep counting elapsed time, as cronsim does for five.
+    every = slots_between("*/30 * 2 * * *", BERLIN, at("2026-10-24T23:59:59"), at("2026-10-25T02:00:00"))
+    assert len(every) == 2 * 120
+
+
+def test_every_pause_of_the_history_skips_its_slots_and_catch_up_decides_the_rest() -> None:
+    spec = job("* * * * * *", catch_up="all", paused_at=at("2026-01-01T00:00:06.500000"),
+               resumed_at=at("2026-01-01T00:00:07.500000"),
+               pauses=((at("2026-01-01T00:00:01.500000"), at("2026-01-01T00:00:03.500000")),))
+    spec.after = at("2026-01-01T00:00:00")
+    todo, _ = spec.decide(at("2026-01-01T00:00:08"))
+    assert [(t[0].second, t[1]) for t in sorted(todo)] == [
+        (1, "run"), (2, "skipped"), (3, "skipped"), (4, "run"), (5, "run"), (6, "run"),
+        (7, "skipped"), (8, "run")]
+    # Paused with no instant given (a hand-written UPDATE of paused alone): nothing runs.
+    bare = job("* * * * * *", paused=True)
+    bare.after = at("2026-01-01T00:00:00")
+    assert {t[1] for t in bare.decide(at("2026-01-01T00:00:03"))[0]} == {"skipped"}

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar, cast
 
 from ..._core import errmap as _errmap
+from ..._core.checks import LOCK_TIMEOUT_MAX
 from ..._drivers import check_source
 from ..._drivers.base import AsyncTxSession, SyncTxSession
 from ...errors import PgcoordError
@@ -45,8 +46,10 @@ def check_timeout(timeout: Any, wait: bool) -> None:
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
-        if not math.isfinite(timeout) or timeout < 0:
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        # lock_timeout is an int of milliseconds: about 24.8 days at most.
+        if not math.isfinite(timeout) or timeout < 0 or timeout > LOCK_TIMEOUT_MAX:
+            raise ValueError(f"timeout must be a finite number of seconds from 0 to "
+                             f"{LOCK_TIMEOUT_MAX:.0f}, got {timeout}")
         if not wait:
             raise ValueError("timeout has no meaning with wait=False")
 
