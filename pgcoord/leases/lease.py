@@ -59,6 +59,10 @@ from .statements import (
 
 __all__ = ["Lease", "check_fence", "default_holder", "trust_margin", "validate_holder"]
 
+#: After a member-bound lease starts standing for a busy lease, it looks again this
+#: soon, in case the lease was let go of before the watcher held the candidacy lock.
+STAND_SETTLES = 0.1
+
 log = logging.getLogger("pgcoord.leases")
 
 
@@ -111,6 +115,7 @@ class Lease:
         self._member = member
         self._bell: Doorbell | None = None
         self._news = asyncio.Event()
+        self._withdraw: Callable[[], None] | None = None  # standing for the lease (a member)
         self._attempts = _attempts(source)
         self._tenure: Tenure | None = None
         self._renewer: asyncio.Task[None] | None = None
@@ -227,15 +232,15 @@ class Lease:
             return lambda: None
         if not member._open:
             raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
-        # Woken by a poke of the member's watcher when the lease is let go of or its
-        # holder is found dead: no LISTEN (see ``Member.stand``).
         unhooks = [member.on_member_left(lambda _id: self._news.set()),
-                   member.on_session_lost(lambda _id: self._news.set()),
-                   member.stand(self.name, self._news.set)]
+                   member.on_session_lost(lambda _id: self._news.set())]
 
         def unhook_all() -> None:
             for unhook in unhooks:
                 unhook()
+            withdraw, self._withdraw = self._withdraw, None
+            if withdraw is not None:
+                withdraw()
 
         return unhook_all
 
@@ -343,10 +348,21 @@ class Lease:
             # No doorbell for a plain lease: look again after a third of a ttl (or,
             # with a member, at news of a death or of this lease, if sooner).
             pause = self.ttl / 3 if deadline is None else min(self.ttl / 3, deadline - now)
+            if self._member is not None and self._withdraw is None:
+                # Busy: stand for it, to be poked by the member's watcher when it is let
+                # go of or its holder is found dead (no LISTEN: see ``Member.stand``).
+                # Only now, not for a lease taken at the first try: standing costs the
+                # watcher a round. A release before the watcher holds the candidacy
+                # lock is not poked: look once more soon.
+                self._withdraw = self._member.stand(self.name, self._news.set)
+                settling, pause = True, min(pause, STAND_SETTLES)
+            else:
+                settling = False
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await self._news.wait()
-            quiet = not self._news.is_set()
+            # Quiet: a whole third of a ttl without news (not the short look above).
+            quiet = not self._news.is_set() and not settling
 
     # -- renewal ------------------------------------------------------------------------------
 
