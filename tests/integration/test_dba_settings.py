@@ -1,0 +1,317 @@
+"""Whatever the DBA sets, pgcoord keeps its word (issue 23, DESIGN "Cross-cutting rules").
+
+Each fixture makes a database (ALTER DATABASE ... SET) or a role (ALTER ROLE ... SET)
+carrying hostile settings, so that no other test file sees them. The CI settings
+suite also runs this file against a server started with production-like settings
+(PGCOORD_TEST_SERVER_SETTINGS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import pgcoord
+import pgcoord.migrations
+
+from .conftest import Server, sql
+
+DRIVERS = ["asyncpg", "psycopg"]
+
+
+def _database(pg_server: Server, settings: dict[str, str]) -> Iterator[str]:
+    dbname = f"pgcoord_dba_{uuid.uuid4().hex[:8]}"
+    janitor = pg_server.janitor(dbname)
+    janitor.init()
+    url = pg_server.dsn(dbname)
+    pgcoord.migrations.upgrade(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        for name, value in settings.items():
+            conn.execute(f"ALTER DATABASE {dbname} SET {name} = '{value}'")
+    try:
+        yield url
+    finally:
+        with psycopg.connect(pg_server.dsn("postgres"), autocommit=True) as conn:
+            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s",
+                         (dbname,))
+        janitor.drop()
+
+
+def _role(pg_server: Server, url: str, settings: dict[str, str]) -> Iterator[str]:
+    """A DSN for ``url``'s database as a role of its own carrying ``settings``."""
+    role = f"pgcoord_dba_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        for name, value in settings.items():
+            conn.execute(f"ALTER ROLE {role} SET {name} = '{value}'")
+    try:
+        yield url.replace("postgres@", f"{role}@", 1)
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where usename = %s",
+                         (role,))
+            conn.execute(f"DROP ROLE {role}")
+
+
+@pytest.fixture(scope="module")
+def lock_timeout_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {"lock_timeout": "1s"})
+
+
+@pytest.fixture(scope="module")
+def plain_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {})
+
+
+@pytest.fixture(scope="module")
+def lock_timeout_role(pg_server: Server, plain_db: str) -> Iterator[str]:
+    yield from _role(pg_server, plain_db, {"lock_timeout": "1s", "search_path": "nowhere"})
+
+
+def group() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+def watcher_pid(dsn: str, name: str) -> int | None:
+    rows = sql(dsn, "select pid from pg_stat_activity where application_name = %s",
+               f"pgcoord-member:{name}/watch")
+    return int(rows[0][0]) if rows else None  # type: ignore[call-overload]
+
+
+async def wait_for(predicate: object, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not true within {within}s"
+        await asyncio.sleep(0.05)
+
+
+def departures(changes: list[object]) -> list[object]:
+    return [c for c in changes if isinstance(c, pgcoord.MemberLeft)]
+
+
+async def collect(watch: object, into: list[object]) -> None:
+    async for change in watch:  # type: ignore[attr-defined]
+        into.append(change)
+
+
+# -- 1. a member's own sessions are never cut by a setting -----------------------------
+
+
+@pytest.mark.parametrize("where", ["database", "role"])
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_lock_timeout_never_drops_a_member_with_a_successor(
+    lock_timeout_db: str, lock_timeout_role: str, where: str, driver: str,
+) -> None:
+    dsn = lock_timeout_db if where == "database" else lock_timeout_role
+    g = group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", driver=driver) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", driver=driver) as b:
+        ids = (a.id, b.id)
+        seen: list[object] = []
+        task = asyncio.ensure_future(collect(a.watch(), seen))
+        try:
+            # Both watchers wait on each other's alive lock for 3x the lock_timeout.
+            await wait_for(lambda: watcher_pid(dsn, a.name) and watcher_pid(dsn, b.name), 10)
+            await asyncio.sleep(3.5)
+            assert (a.id, b.id) == ids
+            assert departures(seen) == []
+            assert a.has_session and b.has_session
+        finally:
+            task.cancel()
+
+
+# -- 2. losing only the watcher reopens the watcher -------------------------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_terminating_only_the_watcher_keeps_the_member(plain_db: str, driver: str) -> None:
+    dsn, g = plain_db, group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", driver=driver) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", driver=driver) as b:
+        seen: list[object] = []
+        task = asyncio.ensure_future(collect(b.watch(), seen))
+        try:
+            await wait_for(lambda: watcher_pid(dsn, a.name) is not None, 10)
+            old_watcher, a_id, b_id = watcher_pid(dsn, a.name), a.id, b.id
+            main_pid = a._main.backend_pid  # type: ignore[union-attr]
+            sql(dsn, "select pg_terminate_backend(%s)", old_watcher)
+            await wait_for(lambda: watcher_pid(dsn, a.name) not in (None, old_watcher), 15)
+            await asyncio.sleep(1.0)
+            assert (a.id, b.id) == (a_id, b_id)
+            assert a._main.backend_pid == main_pid  # type: ignore[union-attr]
+            assert departures(seen) == []
+            # The new watcher still tells a death at once.
+            await b.close()
+            await wait_for(lambda: [p.name for p in a._view.values()] == [a.name], 10)
+        finally:
+            task.cancel()
+
+
+# -- 3. timeout=None means "until granted" ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def timeouts_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {"lock_timeout": "1s", "statement_timeout": "1500ms"})
+
+
+async def show(conn: object, name: str) -> str:
+    """SHOW ``name`` on a driver connection exclusive() yielded (any driver)."""
+    if hasattr(conn, "fetchval"):  # asyncpg
+        return str(await conn.fetchval(f"show {name}"))
+    if type(conn).__module__.startswith("sqlalchemy"):
+        from sqlalchemy import text
+        return str((await conn.execute(text(f"show {name}"))).scalar())  # type: ignore[attr-defined]
+    return str((await (await conn.execute(f"show {name}")).fetchone())[0])  # type: ignore[attr-defined]
+
+
+async def hold_for(dsn: str, key: int, seconds: float, *, shared: bool = False) -> asyncio.Task[None]:
+    """Another session holds session lock ``key`` for ``seconds``; returns once it holds it."""
+    import asyncpg
+    conn = await asyncpg.connect(dsn)
+    await conn.execute(f"select pg_advisory_lock{'_shared' if shared else ''}({key})")
+
+    async def release() -> None:
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await conn.close()
+
+    return asyncio.ensure_future(release())
+
+
+def a_key() -> int:
+    return int(uuid.uuid4().int % 2**62)
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool", "sa-async-asyncpg", "sa-async-psycopg"])
+async def test_exclusive_without_timeout_waits_past_lock_and_statement_timeout(
+    timeouts_db: str, kind: str,
+) -> None:
+    from .sources import open_async
+    key = a_key()
+    async with open_async(kind, timeouts_db, size=1) as pool:
+        holder = await hold_for(timeouts_db, key, 3.0)
+        started = time.monotonic()
+        async with pgcoord.exclusive(pool, key) as conn:
+            waited = time.monotonic() - started
+            # Nothing pgcoord set for its one statement is left in the caller's transaction.
+            assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
+                "1s", "1500ms")
+        assert waited > 2.0
+        await holder
+        # Nor on the connection back in the pool (the pool has one).
+        async with pgcoord.exclusive(pool, a_key(), wait=False) as conn:
+            assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
+                "1s", "1500ms")
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_exclusive_without_timeout_inside_the_callers_transaction(timeouts_db: str, kind: str) -> None:
+    from .sources import open_async
+    key = a_key()
+    async with open_async(kind, timeouts_db, size=1) as pool:
+        holder = await hold_for(timeouts_db, key, 3.0)
+        async with pgcoord.exclusive(pool, a_key()) as conn:
+            # The caller's own setting, made in its transaction, is what stays.
+            if hasattr(conn, "fetchval"):
+                await conn.execute("set local lock_timeout = '1200ms'")
+            else:
+                await conn.execute("set local lock_timeout = '1200ms'")
+            async with pgcoord.exclusive(conn, key):
+                assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
+                    "1200ms", "1500ms")
+        await holder
+
+
+@pytest.mark.parametrize("source", ["dsn", "asyncpg-pool"])
+async def test_lock_holder_without_timeout_waits_past_lock_timeout(timeouts_db: str, source: str) -> None:
+    from .sources import open_async
+    key = a_key()
+    async with open_async("asyncpg-pool", timeouts_db, size=3) as pool:
+        holder = await hold_for(timeouts_db, key, 3.0)
+        async with pgcoord.LockHolder(timeouts_db if source == "dsn" else pool) as locks:
+            started = time.monotonic()
+            async with locks.lock(key):
+                assert time.monotonic() - started > 2.0
+        await holder
+        if source != "dsn":
+            # The pool's connections went back as they came.
+            async with pool.acquire() as conn:
+                assert (await conn.fetchval("show lock_timeout"),
+                        await conn.fetchval("show statement_timeout")) == ("1s", "1500ms")
+
+
+async def test_a_lock_timeout_message_never_reads_none(timeouts_db: str) -> None:
+    from pgcoord.locks.advisory import LockRequest
+    request = LockRequest(1, wait=True, timeout=None, shared=False)
+
+    class Err(Exception):
+        sqlstate = "55P03"
+
+    message = str(request.translate(Err()))
+    assert "None" not in message and "lock_timeout" in message
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_semaphores_without_timeout_wait_past_lock_and_statement_timeout(
+    timeouts_db: str, kind: str,
+) -> None:
+    from .sources import open_async
+    name = f"sem-{uuid.uuid4().hex[:8]}"
+    async with open_async(kind, timeouts_db, size=3) as pool, \
+            pgcoord.LockHolder(pool) as locks:
+        entered = asyncio.Event()
+
+        async def first() -> None:
+            async with pgcoord.semaphore(pool, name, limit=1):
+                entered.set()
+                await asyncio.sleep(3.0)
+
+        task = asyncio.ensure_future(first())
+        await asyncio.wait_for(entered.wait(), 10)
+        started = time.monotonic()
+        async with pgcoord.semaphore(pool, name, limit=1) as conn:
+            assert time.monotonic() - started > 2.0
+            assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
+                "1s", "1500ms")
+        await task
+        task = asyncio.ensure_future(first())
+        await asyncio.wait_for(entered.wait(), 10)
+        started = time.monotonic()
+        async with locks.semaphore(name, limit=1):
+            assert time.monotonic() - started > 2.0
+        await task
+
+
+async def test_an_elector_follower_keeps_its_session_under_statement_timeout(timeouts_db: str) -> None:
+    name = f"el-{uuid.uuid4().hex[:8]}"
+    leading = asyncio.Event()
+
+    async def lead(_fence: int) -> None:
+        leading.set()
+        await asyncio.Event().wait()
+
+    leader = pgcoord.Elector(timeouts_db, name, holder="leader", ttl=10)
+    follower = pgcoord.Elector(timeouts_db, name, holder="follower", ttl=10)
+    app = f"pgcoord-elector:{name}"
+    tasks = [asyncio.ensure_future(leader.run(lead))]
+    try:
+        await asyncio.wait_for(leading.wait(), 15)
+        tasks.append(asyncio.ensure_future(follower.run(lead)))
+        await wait_for(lambda: len(sql(timeouts_db, "select pid from pg_stat_activity where "
+                                                    "application_name = %s", app)) == 2, 15)
+        pids = set(sql(timeouts_db, "select pid from pg_stat_activity where application_name = %s", app))
+        await asyncio.sleep(4.0)  # the follower's doorbell wait outlasts statement_timeout
+        assert set(sql(timeouts_db, "select pid from pg_stat_activity where application_name = %s",
+                       app)) == pids
+        assert leader.is_leader and not follower.is_leader
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
