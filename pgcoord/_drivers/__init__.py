@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._core import errmap as _errmap
+from .._core.aio import Backoff
 from ..errors import UnsupportedConnection
 from .adapt import Adapter as Adapter
 from .adapt import adapt as adapt
@@ -28,7 +29,7 @@ from .release import release_async as release_async
 from .release import release_sync as release_sync
 
 __all__ = [
-    "Adapter", "adapt", "bounded_async", "bounded_sync", "check_source", "driver_of", "fetchval_on",
+    "Adapter", "adapt", "autocommit_retrying", "bounded_async", "bounded_sync", "check_source", "driver_of", "fetchval_on",
     "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "run_statement",
     "tx_session_async", "tx_session_sync",
 ]
@@ -85,6 +86,27 @@ async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple
     await session.checkout()
     try:
         with _errmap.schema_missing_raised():
-            return await session.run_autocommit(sql, params)
+            return await autocommit_retrying(session, sql, params)
     finally:
         await release_async(session, rollback=False)
+
+
+#: Tries of one statement of pgcoord's own in a transaction of its own that the
+#: server rolls back for serializability (default_transaction_isolation =
+#: serializable for the database or role, with others writing the same rows).
+SERIALIZATION_TRIES = 12
+
+
+async def autocommit_retrying(session: AsyncTxSession, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``session.run_autocommit``, run again after a short jittered pause when the
+    server rolled it back as a serialization failure (it then had no effect)."""
+    backoff = Backoff(first=0.005, cap=0.2)
+    for n in range(SERIALIZATION_TRIES):
+        try:
+            return await session.run_autocommit(sql, params)
+        except Exception as exc:
+            if n + 1 == SERIALIZATION_TRIES or not _errmap.serialization_failure(exc):
+                raise
+            backoff.failed()
+            await backoff.sleep()
+    raise AssertionError("unreachable")

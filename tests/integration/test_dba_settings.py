@@ -315,3 +315,75 @@ async def test_an_elector_follower_keeps_its_session_under_statement_timeout(tim
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- 4. default_transaction_isolation = serializable ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serializable_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {"default_transaction_isolation": "serializable"})
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_eight_members_open_at_once_under_serializable(serializable_db: str, driver: str) -> None:
+    g = group()
+    members = [pgcoord.Member(serializable_db, group=g, name=f"m{i}-{g}", driver=driver) for i in range(8)]
+    results = await asyncio.gather(*(m.open() for m in members), return_exceptions=True)
+    try:
+        assert [r for r in results if isinstance(r, BaseException)] == []
+        assert len({m.id for m in members}) == 8
+    finally:
+        await asyncio.gather(*(m.close() for m in members if m._open), return_exceptions=True)
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_eight_leases_on_a_pool_under_serializable(serializable_db: str, kind: str) -> None:
+    from .sources import open_async
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    fences: list[int] = []
+    async with open_async(kind, serializable_db, size=8) as pool:
+
+        async def actor() -> None:
+            async with pgcoord.Lease(pool, name, ttl=5.0) as fence:
+                fences.append(fence)
+                await asyncio.sleep(0.05)
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(actor() for _ in range(8)), return_exceptions=True), 90)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert sorted(fences) == fences and len(set(fences)) == 8
+
+
+@pytest.mark.parametrize("where", ["database", "role"])
+async def test_partitions_stay_put_under_lock_timeout(
+    lock_timeout_db: str, lock_timeout_role: str, where: str,
+) -> None:
+    dsn = lock_timeout_db if where == "database" else lock_timeout_role
+    name, count = f"parts-{uuid.uuid4().hex[:8]}", 8
+    starts: list[tuple[str, int]] = []
+
+    def owner(who: str) -> object:
+        async def own(part: pgcoord.Partition) -> None:
+            starts.append((who, part.index))
+            await asyncio.Event().wait()
+        return own
+
+    g = group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}") as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}") as b:
+        pa, pb = pgcoord.Partitions(a, name, count=count), pgcoord.Partitions(b, name, count=count)
+        tasks = [asyncio.ensure_future(pa.run(owner("a"))),  # type: ignore[arg-type]
+                 asyncio.ensure_future(pb.run(owner("b")))]  # type: ignore[arg-type]
+        try:
+            await wait_for(lambda: len(pa.owned) == len(pb.owned) == count // 2 and len(starts) >= count, 30)
+            await asyncio.sleep(0.5)
+            settled = len(starts)
+            owned = (pa.owned, pb.owned)
+            await asyncio.sleep(4.0)  # four lock_timeouts
+            assert (pa.owned, pb.owned) == owned
+            assert len(starts) == settled
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
