@@ -387,3 +387,44 @@ async def test_partitions_stay_put_under_lock_timeout(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- 5. a setting that makes a promise impossible is named at once -------------------------
+
+
+@pytest.fixture(scope="module")
+def read_only_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {"default_transaction_read_only": "on"})
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_a_read_only_default_is_named_for_pool_statements(read_only_db: str, kind: str) -> None:
+    from .sources import open_async
+    async with open_async(kind, read_only_db, size=2) as pool:
+        with pytest.raises(pgcoord.PgcoordError, match="default_transaction_read_only") as raised:
+            async with asyncio.timeout(20):
+                await pgcoord.Lease(pool, f"ro-{uuid.uuid4().hex[:8]}", ttl=5.0).acquire()
+        assert "ALTER ROLE" in str(raised.value)
+        # exclusive() takes only advisory locks: it works in a read-only transaction.
+        async with pgcoord.exclusive(pool, a_key()) as conn:
+            assert await show(conn, "transaction_read_only") == "on"
+
+
+async def test_check_fence_in_a_read_only_transaction_names_the_setting(read_only_db: str) -> None:
+    import asyncpg
+    conn = await asyncpg.connect(read_only_db)
+    try:
+        async with conn.transaction():
+            with pytest.raises(pgcoord.PgcoordError, match="default_transaction_read_only"):
+                await pgcoord.check_fence(conn, f"ro-{uuid.uuid4().hex[:8]}", 1)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_members_and_lock_holders_work_under_a_read_only_default(read_only_db: str, driver: str) -> None:
+    g = group()
+    async with pgcoord.Member(read_only_db, group=g, name=f"a-{g}", driver=driver) as a, \
+            pgcoord.LockHolder(a) as locks:
+        async with locks.lock(a_key()):
+            assert [p.name for p in await a.peers()] == [a.name]
