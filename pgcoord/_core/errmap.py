@@ -28,6 +28,7 @@ SQLSTATE_INVALID_CATALOG_NAME = "3D000"  # no such database
 SQLSTATE_CANNOT_CONNECT_NOW = "57P03"
 SQLSTATE_SERIALIZATION_FAILURE = "40001"  # a serializable transaction rolled back: no effect
 SQLSTATE_READ_ONLY_TRANSACTION = "25006"
+SQLSTATE_IDLE_SESSION_TIMEOUT = "57P05"
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -61,8 +62,11 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
-# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now.
-SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW)
+# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now,
+# and the settings that end a session: idle_session_timeout (57P05),
+# idle_in_transaction_session_timeout (25P03), transaction_timeout (25P04, PostgreSQL 17+).
+SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW, SQLSTATE_IDLE_SESSION_TIMEOUT,
+                 "25P03", "25P04")
 
 
 def session_gone(exc: BaseException) -> bool:
@@ -100,6 +104,12 @@ def as_schema_missing(exc: BaseException) -> BaseException:
     if code == SQLSTATE_READ_ONLY_TRANSACTION:
         return PgcoordError(READ_ONLY_MESSAGE)
     return exc
+
+
+def ended_while_idle(exc: BaseException) -> bool:
+    """The server had ended the session for its idle_session_timeout before this
+    statement was sent (a pool's idle connection): the statement never ran."""
+    return sqlstate(exc) == SQLSTATE_IDLE_SESSION_TIMEOUT
 
 
 def serialization_failure(exc: BaseException) -> bool:

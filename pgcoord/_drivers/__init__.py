@@ -81,14 +81,24 @@ def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
 async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """One ``$n``-parameter statement in a transaction of its own, through any async
     source (a pool's connection is checked out and given back); its first row.
-    A missing pgcoord schema raises ``SchemaMissing``."""
-    session = tx_session_async(source)
-    await session.checkout()
-    try:
-        with _errmap.schema_missing_raised():
-            return await autocommit_retrying(session, sql, params)
-    finally:
-        await release_async(session, rollback=False)
+    A missing pgcoord schema raises ``SchemaMissing``. A pooled connection the
+    server had ended for idle_session_timeout (the statement never ran) is
+    replaced by another, once per connection the pool may hold."""
+    from .capacity import pool_capacity
+
+    tries = min(max(2, (pool_capacity(source) or 1) + 1), 12)
+    for n in range(tries):
+        session = tx_session_async(source)
+        await session.checkout()
+        try:
+            with _errmap.schema_missing_raised():
+                return await autocommit_retrying(session, sql, params)
+        except Exception as exc:
+            if not (session.pooled and _errmap.ended_while_idle(exc)) or n + 1 == tries:
+                raise
+        finally:
+            await release_async(session, rollback=False)
+    raise AssertionError("unreachable")
 
 
 #: Tries of one statement of pgcoord's own in a transaction of its own that the

@@ -428,3 +428,35 @@ async def test_members_and_lock_holders_work_under_a_read_only_default(read_only
             pgcoord.LockHolder(a) as locks:
         async with locks.lock(a_key()):
             assert [p.name for p in await a.peers()] == [a.name]
+
+
+# -- 6. pools whose idle connections the server ends ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def idle_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {"idle_session_timeout": "500ms"})
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db: str, kind: str) -> None:
+    from .sources import open_async
+    async with open_async(kind, idle_db, size=3) as pool:
+        for _ in range(2):
+            # Open every connection of the pool, then let the server end them all.
+            async with pgcoord.exclusive(pool, a_key()), pgcoord.exclusive(pool, a_key()):
+                pass
+            await asyncio.sleep(1.5)
+            async with pgcoord.exclusive(pool, a_key()) as conn:
+                assert await show(conn, "transaction_read_only") == "off"
+            await asyncio.sleep(1.5)
+            async with pgcoord.Lease(pool, f"idle-{uuid.uuid4().hex[:8]}", ttl=5.0) as fence:
+                assert fence >= 1
+            await asyncio.sleep(1.5)
+            async with pgcoord.semaphore(pool, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
+                pass
+            await asyncio.sleep(1.5)
+            # The scheduler's statements run as run_statement on its pool.
+            from pgcoord._core.queries import query
+            from pgcoord._drivers import run_statement
+            assert await run_statement(pool, query("schedule_tick"), ()) is not None
