@@ -29,7 +29,8 @@ from .release import release_async as release_async
 from .release import release_sync as release_sync
 
 __all__ = [
-    "Adapter", "adapt", "autocommit_retrying", "bounded_async", "bounded_sync", "check_source", "driver_of", "fetchval_on",
+    "Adapter", "adapt", "autocommit_retrying", "bounded_async", "bounded_sync", "check_source",
+    "driver_of", "fetchval_on",
     "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "run_statement",
     "tx_session_async", "tx_session_sync",
 ]
@@ -107,7 +108,9 @@ async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple
 SERIALIZATION_TRIES = 12
 
 
-async def autocommit_retrying(session: AsyncTxSession, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
+async def autocommit_retrying(
+    session: AsyncTxSession, sql: str, params: tuple[Any, ...],
+) -> tuple[Any, ...] | None:
     """``session.run_autocommit``, run again after a short jittered pause when the
     server rolled it back as a serialization failure (it then had no effect)."""
     backoff = Backoff(first=0.005, cap=0.2)

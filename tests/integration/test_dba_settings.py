@@ -422,12 +422,13 @@ async def test_check_fence_in_a_read_only_transaction_names_the_setting(read_onl
 
 
 @pytest.mark.parametrize("driver", DRIVERS)
-async def test_members_and_lock_holders_work_under_a_read_only_default(read_only_db: str, driver: str) -> None:
+async def test_members_and_lock_holders_work_under_a_read_only_default(
+    read_only_db: str, driver: str,
+) -> None:
     g = group()
     async with pgcoord.Member(read_only_db, group=g, name=f"a-{g}", driver=driver) as a, \
-            pgcoord.LockHolder(a) as locks:
-        async with locks.lock(a_key()):
-            assert [p.name for p in await a.peers()] == [a.name]
+            pgcoord.LockHolder(a) as locks, locks.lock(a_key()):
+        assert [p.name for p in await a.peers()] == [a.name]
 
 
 # -- 6. pools whose idle connections the server ends ---------------------------------------
