@@ -436,7 +436,9 @@ async def test_members_and_lock_holders_work_under_a_read_only_default(
 
 @pytest.fixture(scope="module")
 def idle_db(pg_server: Server) -> Iterator[str]:
-    yield from _database(pg_server, {"idle_session_timeout": "500ms"})
+    # Above SEMAPHORE_RECHECK (0.5 s): a semaphore's waiter tries that often, so its
+    # connection is never idle for longer.
+    yield from _database(pg_server, {"idle_session_timeout": "1s"})
 
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
@@ -447,17 +449,60 @@ async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db
             # Open every connection of the pool, then let the server end them all.
             async with pgcoord.exclusive(pool, a_key()), pgcoord.exclusive(pool, a_key()):
                 pass
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.0)
             async with pgcoord.exclusive(pool, a_key()) as conn:
                 assert await show(conn, "transaction_read_only") == "off"
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.0)
             async with pgcoord.Lease(pool, f"idle-{uuid.uuid4().hex[:8]}", ttl=5.0) as fence:
                 assert fence >= 1
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.0)
             async with pgcoord.semaphore(pool, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
                 pass
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(2.0)
             # The scheduler's statements run as run_statement on its pool.
             from pgcoord._core.queries import query
             from pgcoord._drivers import run_statement
             assert await run_statement(pool, query("schedule_tick"), ()) is not None
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
+async def test_a_semaphore_wait_outlasts_idle_session_timeout(idle_db: str, kind: str) -> None:
+    from .sources import open_async
+    name = f"idle-sem-{uuid.uuid4().hex[:8]}"
+    async with open_async(kind, idle_db, size=3) as pool:
+        entered = asyncio.Event()
+
+        async def first() -> None:
+            async with pgcoord.semaphore(pool, name, limit=1):
+                entered.set()
+                await asyncio.sleep(2.5)
+
+        task = asyncio.ensure_future(first())
+        await asyncio.wait_for(entered.wait(), 10)
+        started = time.monotonic()
+        async with asyncio.timeout(30), pgcoord.semaphore(pool, name, limit=1):
+            assert time.monotonic() - started > 1.5
+        await task
+
+
+async def test_a_lease_waits_for_a_fenced_transaction_past_statement_timeout(timeouts_db: str) -> None:
+    import asyncpg
+    from .sources import open_async
+    name = f"lease-{uuid.uuid4().hex[:8]}"
+    async with open_async("asyncpg-pool", timeouts_db, size=3) as pool:
+        lease = pgcoord.Lease(pool, name, ttl=9.0)
+        fence = await lease.acquire()
+        conn = await asyncpg.connect(timeouts_db)
+        try:
+            tx = conn.transaction()
+            await tx.start()
+            await pgcoord.check_fence(conn, name, fence)  # the row FOR SHARE
+            await lease.release()
+            other = pgcoord.Lease(pool, name, ttl=9.0)
+            waiting = asyncio.ensure_future(other.acquire())
+            await asyncio.sleep(2.0)  # longer than statement_timeout, shorter than ttl/3
+            await tx.rollback()
+            assert await asyncio.wait_for(waiting, 20) > fence
+            await other.release()
+        finally:
+            await conn.close()
