@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import asyncpg
 import psycopg
 import pytest
 
@@ -20,6 +21,7 @@ import pgcoord
 import pgcoord.migrations
 
 from .conftest import Server, sql
+from .sources import open_async
 
 DRIVERS = ["asyncpg", "psycopg"]
 
@@ -172,7 +174,6 @@ async def show(conn: object, name: str) -> str:
 
 async def hold_for(dsn: str, key: int, seconds: float, *, shared: bool = False) -> asyncio.Task[None]:
     """Another session holds session lock ``key`` for ``seconds``; returns once it holds it."""
-    import asyncpg
     conn = await asyncpg.connect(dsn)
     await conn.execute(f"select pg_advisory_lock{'_shared' if shared else ''}({key})")
 
@@ -193,7 +194,6 @@ def a_key() -> int:
 async def test_exclusive_without_timeout_waits_past_lock_and_statement_timeout(
     timeouts_db: str, kind: str,
 ) -> None:
-    from .sources import open_async
     key = a_key()
     async with open_async(kind, timeouts_db, size=1) as pool:
         holder = await hold_for(timeouts_db, key, 3.0)
@@ -213,16 +213,12 @@ async def test_exclusive_without_timeout_waits_past_lock_and_statement_timeout(
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_exclusive_without_timeout_inside_the_callers_transaction(timeouts_db: str, kind: str) -> None:
-    from .sources import open_async
     key = a_key()
     async with open_async(kind, timeouts_db, size=1) as pool:
         holder = await hold_for(timeouts_db, key, 3.0)
         async with pgcoord.exclusive(pool, a_key()) as conn:
             # The caller's own setting, made in its transaction, is what stays.
-            if hasattr(conn, "fetchval"):
-                await conn.execute("set local lock_timeout = '1200ms'")
-            else:
-                await conn.execute("set local lock_timeout = '1200ms'")
+            await conn.execute("set local lock_timeout = '1200ms'")
             async with pgcoord.exclusive(conn, key):
                 assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
                     "1200ms", "1500ms")
@@ -231,7 +227,6 @@ async def test_exclusive_without_timeout_inside_the_callers_transaction(timeouts
 
 @pytest.mark.parametrize("source", ["dsn", "asyncpg-pool"])
 async def test_lock_holder_without_timeout_waits_past_lock_timeout(timeouts_db: str, source: str) -> None:
-    from .sources import open_async
     key = a_key()
     async with open_async("asyncpg-pool", timeouts_db, size=3) as pool:
         holder = await hold_for(timeouts_db, key, 3.0)
@@ -262,7 +257,6 @@ async def test_a_lock_timeout_message_never_reads_none(timeouts_db: str) -> None
 async def test_semaphores_without_timeout_wait_past_lock_and_statement_timeout(
     timeouts_db: str, kind: str,
 ) -> None:
-    from .sources import open_async
     name = f"sem-{uuid.uuid4().hex[:8]}"
     async with open_async(kind, timeouts_db, size=3) as pool, \
             pgcoord.LockHolder(pool) as locks:
@@ -339,7 +333,6 @@ async def test_eight_members_open_at_once_under_serializable(serializable_db: st
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_eight_leases_on_a_pool_under_serializable(serializable_db: str, kind: str) -> None:
-    from .sources import open_async
     name = f"lease-{uuid.uuid4().hex[:8]}"
     fences: list[int] = []
     async with open_async(kind, serializable_db, size=8) as pool:
@@ -399,7 +392,6 @@ def read_only_db(pg_server: Server) -> Iterator[str]:
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_a_read_only_default_is_named_for_pool_statements(read_only_db: str, kind: str) -> None:
-    from .sources import open_async
     async with open_async(kind, read_only_db, size=2) as pool:
         with pytest.raises(pgcoord.PgcoordError, match="default_transaction_read_only") as raised:
             async with asyncio.timeout(20):
@@ -411,7 +403,6 @@ async def test_a_read_only_default_is_named_for_pool_statements(read_only_db: st
 
 
 async def test_check_fence_in_a_read_only_transaction_names_the_setting(read_only_db: str) -> None:
-    import asyncpg
     conn = await asyncpg.connect(read_only_db)
     try:
         async with conn.transaction():
@@ -443,7 +434,6 @@ def idle_db(pg_server: Server) -> Iterator[str]:
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db: str, kind: str) -> None:
-    from .sources import open_async
     async with open_async(kind, idle_db, size=3) as pool:
         for _ in range(2):
             # Open every connection of the pool, then let the server end them all.
@@ -467,7 +457,6 @@ async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_a_semaphore_wait_outlasts_idle_session_timeout(idle_db: str, kind: str) -> None:
-    from .sources import open_async
     name = f"idle-sem-{uuid.uuid4().hex[:8]}"
     async with open_async(kind, idle_db, size=3) as pool:
         entered = asyncio.Event()
@@ -486,8 +475,6 @@ async def test_a_semaphore_wait_outlasts_idle_session_timeout(idle_db: str, kind
 
 
 async def test_a_lease_waits_for_a_fenced_transaction_past_statement_timeout(timeouts_db: str) -> None:
-    import asyncpg
-    from .sources import open_async
     name = f"lease-{uuid.uuid4().hex[:8]}"
     async with open_async("asyncpg-pool", timeouts_db, size=3) as pool:
         lease = pgcoord.Lease(pool, name, ttl=9.0)
