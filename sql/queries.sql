@@ -41,18 +41,27 @@ BEGIN
 END $pgcoord$
 
 -- name: advisory_untimed
--- A waiting lock whose only bound is pgcoord's own ({lock} is advisory_timeout,
--- with 0ms for "until granted"): the server's, database's or role's
--- statement_timeout must not cut it either. statement_timeout is armed when a
--- statement starts, so it is set (for the transaction) before the lock's statement
--- and put back right after it in the same message; the previous value waits in
--- pgcoord.saved_statement_timeout, which is transaction-local too. On error the
--- enclosing transaction or savepoint rollback discards both.
-SELECT pg_catalog.set_config('pgcoord.saved_statement_timeout',
-                             pg_catalog.current_setting('statement_timeout'), true),
-       pg_catalog.set_config('statement_timeout', '0', true);
-{lock};
-SELECT pg_catalog.set_config('statement_timeout',
+-- A waiting lock whose only bound is pgcoord's own ({timeout_ms} ms; 0 for "until
+-- granted"), as one simple-protocol message: the server's, database's or role's
+-- lock_timeout and statement_timeout must not cut it. statement_timeout is armed when
+-- a statement starts, so both are set (for the transaction) before the lock's own
+-- statement and put back right after it, in the caller's transaction too; the
+-- previous values wait in transaction-local pgcoord.saved_* settings (placeholders:
+-- after the transaction they read '' and are not in pg_settings). On error the
+-- enclosing transaction or savepoint rollback discards all of them.
+WITH saved AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS lock_timeout,
+           pg_catalog.current_setting('statement_timeout') AS statement_timeout
+)
+SELECT pg_catalog.set_config('pgcoord.saved_lock_timeout', saved.lock_timeout, true),
+       pg_catalog.set_config('pgcoord.saved_statement_timeout', saved.statement_timeout, true),
+       pg_catalog.set_config('lock_timeout', '{timeout_ms}ms', true),
+       pg_catalog.set_config('statement_timeout', '0', true)
+FROM saved;
+SELECT pg_catalog.{fn}({key});
+SELECT pg_catalog.set_config('lock_timeout',
+                             pg_catalog.current_setting('pgcoord.saved_lock_timeout'), true),
+       pg_catalog.set_config('statement_timeout',
                              pg_catalog.current_setting('pgcoord.saved_statement_timeout'), true)
 
 -- name: lock_names_record

@@ -106,11 +106,13 @@ def _statement(key: int, fn: str, wait: bool, timeout: float | None) -> LockStat
         return LockStatement(inline, inline, ())
     # A wait is bounded by pgcoord alone: lock_timeout is set for the lock's own
     # statement (0, "until granted", for timeout=None) and put back after it.
-    # ``bound`` is that one statement; ``inline`` also keeps statement_timeout off
-    # it (advisory_untimed), where a simple-protocol message can carry three.
+    # ``inline`` also keeps statement_timeout off it (advisory_untimed, three
+    # statements in one simple-protocol message); ``bound`` is one statement, for
+    # the paths that send one (a DO block: lock_timeout only).
     timeout_ms = 0 if timeout is None else max(1, math.ceil(timeout * 1000))
     single = query("advisory_timeout").format(fn=fn, key=key, timeout_ms=timeout_ms)
-    return LockStatement(query("advisory_untimed").format(lock=single), single, ())
+    inline = query("advisory_untimed").format(fn=fn, key=key, timeout_ms=timeout_ms)
+    return LockStatement(inline, single, ())
 
 
 def exclusive(
