@@ -338,7 +338,7 @@ async def test_eight_leases_on_a_pool_under_serializable(serializable_db: str, k
     async with open_async(kind, serializable_db, size=8) as pool:
 
         async def actor() -> None:
-            async with pgcoord.Lease(pool, name, ttl=5.0) as fence:
+            async with pgcoord.Lease(pool, name, ttl=1.5) as fence:  # waiters look every ttl/3
                 fences.append(fence)
                 await asyncio.sleep(0.05)
 
@@ -435,24 +435,32 @@ def idle_db(pg_server: Server) -> Iterator[str]:
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
 async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db: str, kind: str) -> None:
     async with open_async(kind, idle_db, size=3) as pool:
-        for _ in range(2):
-            # Open every connection of the pool, then let the server end them all.
-            async with pgcoord.exclusive(pool, a_key()), pgcoord.exclusive(pool, a_key()):
-                pass
-            await asyncio.sleep(2.0)
-            async with pgcoord.exclusive(pool, a_key()) as conn:
-                assert await show(conn, "transaction_read_only") == "off"
-            await asyncio.sleep(2.0)
-            async with pgcoord.Lease(pool, f"idle-{uuid.uuid4().hex[:8]}", ttl=5.0) as fence:
-                assert fence >= 1
-            await asyncio.sleep(2.0)
-            async with pgcoord.semaphore(pool, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
-                pass
-            await asyncio.sleep(2.0)
-            # The scheduler's statements run as run_statement on its pool.
-            from pgcoord._core.queries import query
-            from pgcoord._drivers import run_statement
-            assert await run_statement(pool, query("schedule_tick"), ()) is not None
+        # Open every connection of the pool, then let the server end them all.
+        async with pgcoord.exclusive(pool, a_key()), pgcoord.exclusive(pool, a_key()):
+            pass
+        await asyncio.sleep(2.0)
+        async with pgcoord.exclusive(pool, a_key()) as conn:
+            assert await show(conn, "transaction_read_only") == "off"
+        await asyncio.sleep(2.0)
+        async with pgcoord.Lease(pool, f"idle-{uuid.uuid4().hex[:8]}", ttl=5.0) as fence:
+            assert fence >= 1
+        await asyncio.sleep(2.0)
+        async with pgcoord.semaphore(pool, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
+            pass
+        await asyncio.sleep(2.0)
+        # The scheduler's statements (registration, claim, record) on the same pool.
+        ran: list[object] = []
+        s = pgcoord.Scheduler(pool)
+        job = f"idle-job-{uuid.uuid4().hex[:8]}"
+
+        @s.cron(job, "0 0 1 1 *")
+        async def work(slot: object) -> None:
+            ran.append(slot)
+
+        await asyncio.wait_for(s.trigger(job), 30)
+        await asyncio.sleep(2.0)
+        await asyncio.wait_for(s.trigger(job), 30)
+        assert len(ran) == 2
 
 
 @pytest.mark.parametrize("kind", ["asyncpg-pool", "psycopg-pool"])
