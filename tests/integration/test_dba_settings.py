@@ -127,6 +127,31 @@ async def test_lock_timeout_never_drops_a_member_with_a_successor(
             task.cancel()
 
 
+@pytest.fixture(scope="module")
+def session_ending_db(pg_server: Server) -> Iterator[str]:
+    """Settings that end a session: transaction_timeout where the server has it
+    (PostgreSQL 17+), idle_in_transaction_session_timeout everywhere."""
+    with psycopg.connect(pg_server.dsn("postgres")) as conn:
+        major = int(conn.execute("show server_version_num").fetchone()[0]) // 10000  # type: ignore[index]
+    settings = {"idle_in_transaction_session_timeout": "1s"}
+    if major >= 17:
+        settings["transaction_timeout"] = "1s"
+    yield from _database(pg_server, settings)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_transaction_timeout_never_ends_a_members_waits(session_ending_db: str, driver: str) -> None:
+    dsn, g = session_ending_db, group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", driver=driver) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", driver=driver) as b:
+        ids = (a.id, b.id)
+        await wait_for(lambda: watcher_pid(dsn, a.name) and watcher_pid(dsn, b.name), 10)
+        watchers = (watcher_pid(dsn, a.name), watcher_pid(dsn, b.name))
+        await asyncio.sleep(3.0)  # each watcher's one statement outlasts the timeouts
+        assert (a.id, b.id) == ids
+        assert (watcher_pid(dsn, a.name), watcher_pid(dsn, b.name)) == watchers
+
+
 # -- 2. losing only the watcher reopens the watcher -------------------------------------
 
 
