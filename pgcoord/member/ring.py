@@ -72,9 +72,11 @@ class RingWatch:
     def use(self, watcher: HolderConnection) -> None:
         """Watch on ``watcher`` from now on (a new watcher session)."""
         self.session, self._session_lost, self._target = watcher, False, None
-        watcher.on_lost(self._on_session_lost)
+        watcher.on_lost(lambda: self._on_session_lost(watcher))
 
-    def _on_session_lost(self) -> None:
+    def _on_session_lost(self, watcher: HolderConnection) -> None:
+        if watcher is not self.session:
+            return  # an earlier watcher session, closed since
         self._session_lost = True
         self._changed.set()  # an idle watcher finds out now, not at its next probe
 
