@@ -127,7 +127,7 @@ SELECT pg_catalog.pg_advisory_unlock_all()
 -- name: holder_advisory_count
 -- Advisory locks this session still holds or awaits: 0 means the connection
 -- can go back to its pool.
-SELECT count(*) FROM pg_catalog.pg_locks
+SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks
 WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
 
 -- name: holder_setup_saving
