@@ -119,7 +119,7 @@ async def test_lock_timeout_never_drops_a_member_with_a_successor(
         try:
             # Both watchers wait on each other's alive lock for 3x the lock_timeout.
             await wait_for(lambda: watcher_pid(dsn, a.name) and watcher_pid(dsn, b.name), 10)
-            await asyncio.sleep(3.5)
+            await asyncio.sleep(2.5)  # over twice the lock_timeout
             assert (a.id, b.id) == ids
             assert departures(seen) == []
             assert a.has_session and b.has_session
@@ -398,7 +398,7 @@ async def test_partitions_stay_put_under_lock_timeout(
             await asyncio.sleep(0.5)
             settled = len(starts)
             owned = (pa.owned, pb.owned)
-            await asyncio.sleep(4.0)  # four lock_timeouts
+            await asyncio.sleep(2.5)  # over twice the lock_timeout
             assert (pa.owned, pb.owned) == owned
             assert len(starts) == settled
         finally:
@@ -463,16 +463,16 @@ async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db
         # Open every connection of the pool, then let the server end them all.
         async with pgcoord.exclusive(pool, a_key()), pgcoord.exclusive(pool, a_key()):
             pass
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.6)
         async with pgcoord.exclusive(pool, a_key()) as conn:
             assert await show(conn, "transaction_read_only") == "off"
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.6)
         async with pgcoord.Lease(pool, f"idle-{uuid.uuid4().hex[:8]}", ttl=5.0) as fence:
             assert fence >= 1
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.6)
         async with pgcoord.semaphore(pool, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
             pass
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.6)
         # The scheduler's statements (registration, claim, record) on the same pool.
         ran: list[object] = []
         s = pgcoord.Scheduler(pool)
@@ -483,7 +483,7 @@ async def test_pools_go_on_after_the_server_ended_their_idle_connections(idle_db
             ran.append(slot)
 
         await asyncio.wait_for(s.trigger(job), 30)
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(1.6)
         await asyncio.wait_for(s.trigger(job), 30)
         assert len(ran) == 2
 
