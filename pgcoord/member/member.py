@@ -350,17 +350,22 @@ class Member:
                 if self._ring.session is None:
                     self._ring.use(await self._open_session("/watch"))
                     log.info("member %r (id %s): watching again on a new session", self.name, self.id)
+                if self._lost.is_set():
+                    return
                 await self._ring.run()
             except Exception as exc:
-                if self._lost.is_set():
-                    return  # the main session went too: the member joins again
-                log.warning("member %r (id %s): its watcher failed (%r); opening another",
-                            self.name, self.id, exc)
-                backoff.failed()
+                if not self._lost.is_set():
+                    log.warning("member %r (id %s): its watcher failed (%r); opening another",
+                                self.name, self.id, exc)
+                    backoff.failed()
+            # Closed now, not when the member drops its sessions: a watcher granted
+            # a lock must not hold it a moment longer than its watch.
             watcher, self._ring.session = self._ring.session, None
             if watcher is not None:
                 with contextlib.suppress(Exception):
                     await finish_despite_cancel(watcher.close_now())
+            if self._lost.is_set():
+                return  # the main session went too: the member joins again
             await backoff.sleep()
 
     def _forget_view(self, own_id: int | None) -> None:
