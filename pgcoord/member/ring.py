@@ -27,23 +27,24 @@ log = logging.getLogger("pgcoord.member")
 
 class RingWatch:
     """One member's place in the ring. ``call`` runs a statement on the member's main
-    session, ``spawn`` starts an owned task, ``told_dead(id, reason)`` tells the member
-    that a peer is gone and ``session_gone()`` that a session of its own is."""
+    session, ``spawn`` starts an owned task and ``told_dead(id, reason)`` tells the
+    member that a peer is gone. ``run()`` raises when the watcher session fails; the
+    member then opens another (``watch()``), and keeps its id and main session."""
 
     def __init__(self, name: str, ttl: float, own_id: Callable[[], int | None],
                  call: Callable[..., Awaitable[Any]], spawn: Callable[[Any, str], Any],
-                 told_dead: Callable[[int, str], None], session_gone: Callable[[], None]) -> None:
+                 told_dead: Callable[[int, str], None]) -> None:
         self._name = name
         self._ttl = ttl
         self._own_id = own_id
         self._call = call
         self._spawn = spawn
         self._told_dead = told_dead
-        self._session_gone = session_gone
         #: Ids of every live member of every group, in ring order.
         self.ids: list[int] = []
         #: The watcher session while joined (None behind a pooler).
         self.session: HolderConnection | None = None
+        self._session_lost = False
         self._target: int | None = None
         self._changed = asyncio.Event()
 
@@ -68,11 +69,24 @@ class RingWatch:
             with contextlib.suppress(SessionLost):
                 await self._call(query("member_cancel_watch"), watcher.backend_pid)
 
+    def use(self, watcher: HolderConnection) -> None:
+        """Watch on ``watcher`` from now on (a new watcher session)."""
+        self.session, self._session_lost, self._target = watcher, False, None
+        watcher.on_lost(lambda: self._on_session_lost(watcher))
+
+    def _on_session_lost(self, watcher: HolderConnection) -> None:
+        if watcher is not self.session:
+            return  # an earlier watcher session, closed since
+        self._session_lost = True
+        self._changed.set()  # an idle watcher finds out now, not at its next probe
+
     async def run(self) -> None:
         """Watch successor after successor until the watcher session fails."""
         watcher = self.session
         assert watcher is not None
         while True:
+            if self._session_lost:
+                raise SessionLost("the member's watcher session is gone")
             target = self.successor()
             if target is None:
                 await self._idle(watcher)
@@ -87,8 +101,6 @@ class RingWatch:
                     # just after the grant: let go of the lock if we got it.
                     await self._unwatch(watcher, target, held_or_not=True)
                     continue
-                if _errmap.session_gone(exc):
-                    self._session_gone()
                 raise
             self._target = None
             # Granted: the target's session is gone. Tell everyone, then let go.
