@@ -19,7 +19,7 @@ made AS (
 ),
 joined AS (
     SELECT pg_catalog.pg_try_advisory_lock(pgcoord.lock_key('pgcoord.partitions:' || p.name || ':' || p.member_id)) AS ok,
-           (SELECT count(*) FROM made) AS made
+           (SELECT pg_catalog.count(*) FROM made) AS made
     FROM p
 ),
 told AS (SELECT pg_catalog.pg_notify('pgcoord_partitions', p.name) FROM p, joined)
@@ -98,7 +98,7 @@ unrung AS (
 SELECT pg_catalog.json_build_array(
     (SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(r.i, t.fence)), '[]'::json)
      FROM taken AS t JOIN rung AS r ON r.lname = t.name),
-    (SELECT count(*) FROM unrung)
+    (SELECT pg_catalog.count(*) FROM unrung)
 )::text
 
 -- name: partition_renew
@@ -187,14 +187,14 @@ unrung AS (
     SELECT pg_catalog.pg_advisory_unlock(pgcoord.lease_doorbell_key(p.name || '/' || r.i)) AS ok
     FROM p, pg_catalog.unnest(p.rung) AS r(i)
 )
-SELECT pg_catalog.json_build_array((SELECT count(*) FROM released), (SELECT count(*) FROM unrung))::text
+SELECT pg_catalog.json_build_array((SELECT pg_catalog.count(*) FROM released), (SELECT pg_catalog.count(*) FROM unrung))::text
 
 -- name: partition_unring
 -- After a claim that failed midway: give back the doorbells of parts $2 of
 -- partitions $1 that this session holds (session locks outlive the failed
 -- statement's transaction).
 WITH p AS (SELECT CAST($1 AS text) AS name, CAST($2 AS integer[]) AS idx)
-SELECT count(pg_catalog.pg_advisory_unlock(pgcoord.lease_doorbell_key(p.name || '/' || i)))::integer
+SELECT pg_catalog.count(pg_catalog.pg_advisory_unlock(pgcoord.lease_doorbell_key(p.name || '/' || i)))::integer
 FROM p, pg_catalog.unnest(p.idx) AS i
 WHERE EXISTS (
     SELECT 1 FROM pg_catalog.pg_locks AS l
@@ -230,4 +230,4 @@ unrung AS (
     FROM (SELECT pgcoord.lease_doorbell_key(lname) AS key FROM parts) AS b
     WHERE b.key IN (SELECT key FROM mine)
 )
-SELECT pg_catalog.json_build_array((SELECT count(*) FROM released), (SELECT count(*) FROM unrung))::text
+SELECT pg_catalog.json_build_array((SELECT pg_catalog.count(*) FROM released), (SELECT pg_catalog.count(*) FROM unrung))::text

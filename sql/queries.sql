@@ -40,6 +40,30 @@ BEGIN
     PERFORM pg_catalog.set_config('lock_timeout', previous, true);
 END $pgcoord$
 
+-- name: advisory_untimed
+-- A waiting lock whose only bound is pgcoord's own ({timeout_ms} ms; 0 for "until
+-- granted"), as one simple-protocol message: the server's, database's or role's
+-- lock_timeout and statement_timeout must not cut it. statement_timeout is armed when
+-- a statement starts, so both are set (for the transaction) before the lock's own
+-- statement and put back right after it, in the caller's transaction too; the
+-- previous values wait in transaction-local pgcoord.saved_* settings (placeholders:
+-- after the transaction they read '' and are not in pg_settings). On error the
+-- enclosing transaction or savepoint rollback discards all of them.
+WITH saved AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS lock_timeout,
+           pg_catalog.current_setting('statement_timeout') AS statement_timeout
+)
+SELECT pg_catalog.set_config('pgcoord.saved_lock_timeout', saved.lock_timeout, true),
+       pg_catalog.set_config('pgcoord.saved_statement_timeout', saved.statement_timeout, true),
+       pg_catalog.set_config('lock_timeout', '{timeout_ms}ms', true),
+       pg_catalog.set_config('statement_timeout', '0', true)
+FROM saved;
+SELECT pg_catalog.{fn}({key});
+SELECT pg_catalog.set_config('lock_timeout',
+                             pg_catalog.current_setting('pgcoord.saved_lock_timeout'), true),
+       pg_catalog.set_config('statement_timeout',
+                             pg_catalog.current_setting('pgcoord.saved_statement_timeout'), true)
+
 -- name: lock_names_record
 INSERT INTO pgcoord.lock_names (key, name) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING
 
@@ -52,14 +76,25 @@ FROM pgcoord.holders
 ORDER BY kind, coalesce(name, key::text), granted DESC, since
 
 -- name: holder_setup
--- Per-session settings of a LockHolder connection. The tcp_* settings make the
--- server end this session (releasing its locks) when the client vanishes.
+-- Per-session settings of a dedicated session (LockHolder, Elector, Member). The
+-- tcp_* settings make the server end this session (releasing its locks) when the
+-- client vanishes. The rest keep pgcoord's word whatever the server, the database
+-- or the role set (DESIGN "Whatever the DBA sets"): no statement, lock, idle or
+-- transaction timeout cuts a doorbell, a watcher or a session lock wait (callers
+-- that want a bound set their own after this); transactions are read committed and
+-- read-write; names resolve in pg_catalog and pgcoord alone. Only settings this
+-- server has are set (transaction_timeout is PostgreSQL 17+).
+WITH wanted(name, setting) AS (VALUES
+        ('application_name', CAST($1 AS text)), ('tcp_keepalives_idle', CAST($2 AS text)),
+        ('tcp_keepalives_interval', CAST($3 AS text)), ('tcp_keepalives_count', '3'),
+        ('tcp_user_timeout', CAST($4 AS text)),
+        ('statement_timeout', '0'), ('lock_timeout', '0'),
+        ('idle_in_transaction_session_timeout', '0'), ('idle_session_timeout', '0'),
+        ('transaction_timeout', '0'), ('default_transaction_isolation', 'read committed'),
+        ('default_transaction_read_only', 'off'), ('search_path', 'pg_catalog, pgcoord'))
 SELECT pg_catalog.pg_backend_pid(),
-       pg_catalog.set_config('application_name', $1, false),
-       pg_catalog.set_config('tcp_keepalives_idle', $2, false),
-       pg_catalog.set_config('tcp_keepalives_interval', $3, false),
-       pg_catalog.set_config('tcp_keepalives_count', '3', false),
-       pg_catalog.set_config('tcp_user_timeout', $4, false)
+       (SELECT pg_catalog.count(pg_catalog.set_config(w.name, w.setting, false))
+        FROM wanted AS w JOIN pg_catalog.pg_settings AS s ON s.name = w.name)
 
 -- name: holder_reset
 -- Undo holder_setup before a borrowed connection goes back to its pool.
@@ -92,7 +127,7 @@ SELECT pg_catalog.pg_advisory_unlock_all()
 -- name: holder_advisory_count
 -- Advisory locks this session still holds or awaits: 0 means the connection
 -- can go back to its pool.
-SELECT count(*) FROM pg_catalog.pg_locks
+SELECT pg_catalog.count(*) FROM pg_catalog.pg_locks
 WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
 
 -- name: holder_setup_saving
@@ -103,22 +138,24 @@ WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid()
 -- set_config of the outer query runs. client_connection_check_interval ($5 ms)
 -- makes a backend that waits for a lock notice that its client went away (the
 -- wait is dropped then, instead of being granted to a session nobody reads).
-WITH previous AS MATERIALIZED (
-    SELECT pg_catalog.array_agg(name ORDER BY name) AS names,
-           pg_catalog.array_agg(CASE WHEN source = 'session' THEN setting END ORDER BY name)
-               AS settings
-    FROM pg_catalog.pg_settings
-    WHERE name IN ('application_name', 'tcp_keepalives_idle', 'tcp_keepalives_interval',
-                   'tcp_keepalives_count', 'tcp_user_timeout',
-                   'client_connection_check_interval')
+WITH wanted(name, setting) AS (VALUES
+        ('application_name', CAST($1 AS text)), ('tcp_keepalives_idle', CAST($2 AS text)),
+        ('tcp_keepalives_interval', CAST($3 AS text)), ('tcp_keepalives_count', '3'),
+        ('tcp_user_timeout', CAST($4 AS text)),
+        ('client_connection_check_interval', CAST($5 AS text)),
+        ('statement_timeout', '0'), ('lock_timeout', '0'),
+        ('idle_in_transaction_session_timeout', '0'), ('idle_session_timeout', '0'),
+        ('transaction_timeout', '0'), ('default_transaction_isolation', 'read committed'),
+        ('default_transaction_read_only', 'off'), ('search_path', 'pg_catalog, pgcoord')),
+previous AS MATERIALIZED (
+    SELECT s.name, CASE WHEN s.source = 'session' THEN s.setting END AS setting,
+           w.setting AS wanted
+    FROM pg_catalog.pg_settings AS s JOIN wanted AS w ON w.name = s.name
 )
-SELECT pg_catalog.pg_backend_pid(), previous.names, previous.settings,
-       pg_catalog.set_config('application_name', $1, false),
-       pg_catalog.set_config('tcp_keepalives_idle', $2, false),
-       pg_catalog.set_config('tcp_keepalives_interval', $3, false),
-       pg_catalog.set_config('tcp_keepalives_count', '3', false),
-       pg_catalog.set_config('tcp_user_timeout', $4, false),
-       pg_catalog.set_config('client_connection_check_interval', $5, false)
+SELECT pg_catalog.pg_backend_pid(),
+       pg_catalog.array_agg(previous.name ORDER BY previous.name),
+       pg_catalog.array_agg(previous.setting ORDER BY previous.name),
+       pg_catalog.count(pg_catalog.set_config(previous.name, previous.wanted, false))
 FROM previous
 
 -- name: holder_give_back

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +35,26 @@ DEFAULT_SETTINGS: Mapping[str, str] = {
     "shared_buffers": "128MB",
     "log_min_messages": "warning",
 }
+
+
+#: Extra settings for every server started here, as ``name=value`` pairs separated by
+#: spaces: CI's settings suite starts the tests' servers with production-like
+#: timeouts (``lock_timeout=3s statement_timeout=30s ...``). Settings a server is too
+#: old for are left out (``_SINCE``).
+SETTINGS_ENV = "PGCOORD_TEST_SERVER_SETTINGS"
+_SINCE = {"transaction_timeout": 17}
+
+
+def env_settings(major: int | None = None) -> dict[str, str]:
+    """The settings of ``SETTINGS_ENV``, less those a server of ``major`` lacks."""
+    found: dict[str, str] = {}
+    for pair in os.environ.get(SETTINGS_ENV, "").split():
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{SETTINGS_ENV}: expected name=value pairs, got {pair!r}")
+        if major is None or major >= _SINCE.get(name, 0):
+            found[name] = value
+    return found
 
 
 class ServerNotFound(RuntimeError):
@@ -90,13 +111,24 @@ class EmbeddedServer:
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.bindir = find_bindir()
-        self.settings = {**DEFAULT_SETTINGS, **(settings or {})}
+        extra = env_settings(self.major) if os.environ.get(SETTINGS_ENV) else {}
+        self.settings = {**DEFAULT_SETTINGS, **extra, **(settings or {})}
         self.port = _free_port()
         self._user = _server_user()
         self._root = Path(tempfile.mkdtemp(prefix="pgcoord-pg-"))
         self.datadir = self._root / "data"
         self.logfile = self._root / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def major(self) -> int:
+        """The server's major version (``postgres --version``)."""
+        out = subprocess.run([str(self.bindir / "postgres"), "--version"], capture_output=True,
+                             text=True, check=True).stdout
+        found = re.search(r"\(PostgreSQL\) (\d+)", out)
+        if found is None:
+            raise RuntimeError(f"cannot read the server's version from {out!r}")
+        return int(found.group(1))
 
     @property
     def dsn(self) -> str:

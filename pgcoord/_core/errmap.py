@@ -26,6 +26,9 @@ SQLSTATE_INVALID_PASSWORD = "28P01"
 SQLSTATE_INVALID_AUTHORIZATION = "28000"
 SQLSTATE_INVALID_CATALOG_NAME = "3D000"  # no such database
 SQLSTATE_CANNOT_CONNECT_NOW = "57P03"
+SQLSTATE_SERIALIZATION_FAILURE = "40001"  # a serializable transaction rolled back: no effect
+SQLSTATE_READ_ONLY_TRANSACTION = "25006"
+SQLSTATE_IDLE_SESSION_TIMEOUT = "57P05"
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -59,8 +62,11 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
-# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now.
-SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW)
+# The server ended the session: admin_shutdown, crash_shutdown, cannot_connect_now,
+# and the settings that end a session: idle_session_timeout (57P05),
+# idle_in_transaction_session_timeout (25P03), transaction_timeout (25P04, PostgreSQL 17+).
+SESSION_ENDED = ("57P01", "57P02", SQLSTATE_CANNOT_CONNECT_NOW, SQLSTATE_IDLE_SESSION_TIMEOUT,
+                 "25P03", "25P04")
 
 
 def session_gone(exc: BaseException) -> bool:
@@ -80,11 +86,37 @@ def session_gone(exc: BaseException) -> bool:
 _SCHEMA_MISSING = ("42P01", "3F000", "42883")
 
 
+READ_ONLY_MESSAGE = (
+    "the server refused a write of pgcoord's because the transaction is read-only "
+    "(SQLSTATE 25006): default_transaction_read_only is on for this server, database or "
+    "role, or the transaction was opened READ ONLY, or the server is a standby. pgcoord "
+    "writes its own rows (leases, fences, schedules): set default_transaction_read_only = "
+    "off for pgcoord's role (ALTER ROLE ... SET default_transaction_read_only = off), "
+    "open the transaction READ WRITE, or connect to the primary")
+
+
 def as_schema_missing(exc: BaseException) -> BaseException:
-    """``SchemaMissing`` for an error that says the schema is absent, else ``exc``."""
-    if sqlstate(exc) in _SCHEMA_MISSING:
+    """``SchemaMissing`` for an error that says the schema is absent, a
+    ``PgcoordError`` naming the setting for a write refused as read-only, else ``exc``."""
+    code = sqlstate(exc)
+    if code in _SCHEMA_MISSING:
         return SchemaMissing()
+    if code == SQLSTATE_READ_ONLY_TRANSACTION:
+        return PgcoordError(READ_ONLY_MESSAGE)
     return exc
+
+
+def ended_while_idle(exc: BaseException) -> bool:
+    """The server had ended the session for its idle_session_timeout before this
+    statement was sent (a pool's idle connection): the statement never ran."""
+    return sqlstate(exc) == SQLSTATE_IDLE_SESSION_TIMEOUT
+
+
+def serialization_failure(exc: BaseException) -> bool:
+    """The server rolled back a serializable transaction (the database's or role's
+    default_transaction_isolation): a statement of its own had no effect, and may
+    run again."""
+    return sqlstate(exc) == SQLSTATE_SERIALIZATION_FAILURE
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._core import errmap as _errmap
+from .._core.aio import Backoff
 from ..errors import UnsupportedConnection
 from .adapt import Adapter as Adapter
 from .adapt import adapt as adapt
@@ -28,7 +29,8 @@ from .release import release_async as release_async
 from .release import release_sync as release_sync
 
 __all__ = [
-    "Adapter", "adapt", "bounded_async", "bounded_sync", "check_source", "driver_of", "fetchval_on",
+    "Adapter", "adapt", "autocommit_retrying", "bounded_async", "bounded_sync", "check_source",
+    "driver_of", "fetchval_on",
     "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "run_statement",
     "tx_session_async", "tx_session_sync",
 ]
@@ -80,11 +82,44 @@ def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
 async def run_statement(source: Any, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """One ``$n``-parameter statement in a transaction of its own, through any async
     source (a pool's connection is checked out and given back); its first row.
-    A missing pgcoord schema raises ``SchemaMissing``."""
-    session = tx_session_async(source)
-    await session.checkout()
-    try:
-        with _errmap.schema_missing_raised():
+    A missing pgcoord schema raises ``SchemaMissing``. A pooled connection the
+    server had ended for idle_session_timeout (the statement never ran) is
+    replaced by another, once per connection the pool may hold."""
+    from .capacity import pool_capacity
+
+    tries = min(max(2, (pool_capacity(source) or 1) + 1), 12)
+    for n in range(tries):
+        session = tx_session_async(source)
+        await session.checkout()
+        try:
+            with _errmap.schema_missing_raised():
+                return await autocommit_retrying(session, sql, params)
+        except Exception as exc:
+            if not (session.pooled and _errmap.ended_while_idle(exc)) or n + 1 == tries:
+                raise
+        finally:
+            await release_async(session, rollback=False)
+    raise AssertionError("unreachable")
+
+
+#: Tries of one statement of pgcoord's own in a transaction of its own that the
+#: server rolls back for serializability (default_transaction_isolation =
+#: serializable for the database or role, with others writing the same rows).
+SERIALIZATION_TRIES = 12
+
+
+async def autocommit_retrying(
+    session: AsyncTxSession, sql: str, params: tuple[Any, ...],
+) -> tuple[Any, ...] | None:
+    """``session.run_autocommit``, run again after a short jittered pause when the
+    server rolled it back as a serialization failure (it then had no effect)."""
+    backoff = Backoff(first=0.005, cap=0.2)
+    for n in range(SERIALIZATION_TRIES):
+        try:
             return await session.run_autocommit(sql, params)
-    finally:
-        await release_async(session, rollback=False)
+        except Exception as exc:
+            if n + 1 == SERIALIZATION_TRIES or not _errmap.serialization_failure(exc):
+                raise
+            backoff.failed()
+            await backoff.sleep()
+    raise AssertionError("unreachable")

@@ -161,7 +161,8 @@ class AsyncpgSession(AsyncTxSession):
 
     async def lock_in_savepoint(self, lock: LockStatement) -> None:
         async with self.conn.transaction():
-            await self.conn.execute(lock.bound, *lock.params)
+            # One simple-protocol message: a wait keeps statement_timeout off itself.
+            await self.conn.execute(lock.inline)
 
     async def commit(self) -> None:
         tx, self._tx = self._tx, None

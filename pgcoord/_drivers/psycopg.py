@@ -127,6 +127,15 @@ def _one_message(conn: Any, lock: LockStatement) -> str | None:
     return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
 
 
+def _in_savepoint(conn: Any, lock: LockStatement) -> tuple[str, Any]:
+    """The lock statement and its parameters for a savepoint of the caller's: the
+    simple-protocol message (a wait then keeps statement_timeout off itself) unless
+    pipeline mode takes one statement at a time."""
+    if conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        return lock.inline, None
+    return to_pyformat(lock.bound), lock.params or None
+
+
 T = TypeVar("T")
 
 # psycopg before 3.2 answers the cancellation of a statement with libpq's
@@ -371,7 +380,7 @@ class AsyncPsycopgSession(AsyncTxSession):
     async def _lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         async with self.conn.transaction():
-            await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            await self.conn.execute(*_in_savepoint(self.conn, lock))
 
     async def commit(self) -> None:
         # The trip is kept until it has switched autocommit back: after a failed
@@ -436,7 +445,7 @@ class SyncPsycopgSession(SyncTxSession):
     def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         with self.conn.transaction():
-            self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            self.conn.execute(*_in_savepoint(self.conn, lock))
 
     def commit(self) -> None:
         if self._trip is not None:  # kept until autocommit is back; see the async twin

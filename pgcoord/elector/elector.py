@@ -224,15 +224,17 @@ class Elector:
         conn = await self._source.open()
         try:
             await conn.prepare()
-            idle = str(max(1, int(self.ttl / 2)))
-            conn.backend_pid = int(await conn.fetchval(
-                query("holder_setup"), self.application_name, idle, idle, str(self._ttl_ms)
-            ))
+            conn.backend_pid = int(await conn.fetchval(query("holder_backend_pid")))
             self.polling = await behind_transaction_pooler(self._source, conn)
             if self.polling:
+                # No session settings: behind a transaction-mode pooler they would stay
+                # on a server session that other clients get next.
                 log.warning("elector %r: transaction-mode pooler detected; lease-and-poll mode "
                             "(takeover up to ttl + ttl/3)", self.name)
             else:
+                idle = str(max(1, int(self.ttl / 2)))
+                await conn.fetchval(query("holder_setup"), self.application_name, idle, idle,
+                                    str(self._ttl_ms))
                 await conn.execute(query("elector_session").format(idle_ms=self._idle_ms))
                 with contextlib.suppress(Exception):  # a name for operators; best effort
                     await conn.fetchval(query("lock_names_record"), self._doorbell,

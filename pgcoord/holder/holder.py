@@ -63,7 +63,7 @@ from ..errors import (
     UnsupportedConnection,
 )
 from ..keys import LockKeyLike
-from ..locks.advisory import LockRequest
+from ..locks.advisory import LockRequest, not_granted
 from ..observability import metrics
 from .carrier import Carrier
 
@@ -492,7 +492,7 @@ class HeldLock:
         waiting = LockRequest(request.key, wait=True, timeout=remaining, shared=request.shared,
                               scope="session")
         try:
-            await carrier.wait_lock(waiting.statement.inline)
+            await carrier.wait_lock(waiting.statement.bound)  # its session's own settings: holder_setup
         except BaseException as exc:
             # Whatever happened — timeout, deadlock, a cancel racing the grant —
             # the waiting connection is verified clean or closed.
@@ -504,9 +504,7 @@ class HeldLock:
                                f"{carrier.lost_reason}") from exc
             mapped = request.translate(exc)
             if isinstance(mapped, LockTimeout):
-                raise LockTimeout(
-                    f"lock {request.describe()} not granted within {request.timeout}s"
-                ) from exc
+                raise LockTimeout(f"lock {request.describe()} {not_granted(request.timeout)}") from exc
             request.raise_translated(exc)
         return carrier
 

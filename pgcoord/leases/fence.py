@@ -49,6 +49,8 @@ def _outcome(conn: Any, error: BaseException | None, name: str, fence: int) -> N
     if error is not None:
         mapped = _stale(error, name, fence)
         if mapped is error:
+            mapped = _errmap.as_schema_missing(error)  # also: a read-only transaction
+        if mapped is error:
             raise error
         raise mapped from error
 

@@ -74,6 +74,9 @@ RELEASE_TIMEOUT = CLEANUP_TIMEOUT
 # How long taking a lease may wait for its row while a fenced transaction holds it
 # FOR SHARE, when the caller does not wait (wait=False): then it is busy.
 BUSY_ROW_WAIT = 0.05
+# How a bounded wait for a row held by a fenced transaction ends without the row: its
+# own lock_timeout, or a shorter statement_timeout that pgcoord did not set.
+_ROW_WAIT_CUT = (_errmap.SQLSTATE_LOCK_NOT_AVAILABLE, _errmap.SQLSTATE_QUERY_CANCELED)
 
 
 
@@ -170,7 +173,10 @@ class Lease:
                 row = await self._row("lease_acquire_bounded", self.name, self.holder, self._ttl_ms,
                                       pid, lock_timeout_setting(bound))
             except Exception as exc:
-                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                # Past the bound (55P03), or cut sooner by a statement_timeout of the
+                # server's, database's or role's (57014; pgcoord's own cancels raise
+                # CancelledError): the row is busy either way, and nothing was taken.
+                if _errmap.sqlstate(exc) not in _ROW_WAIT_CUT:
                     raise
                 row = None
             if row is None and retrying:
@@ -440,8 +446,19 @@ class Lease:
                            statement: _Statement | None = None) -> None:
         async def once(_retrying: bool) -> None:
             # Idempotent: once released, the row no longer matches holder and fence.
-            await self._row("lease_release_bounded", self.name, self.holder, fence,
-                            lock_timeout_setting(bound), via=statement)
+            # A statement_timeout shorter than the bound cuts the wait for a fenced
+            # transaction (57014, no effect): ask again until the bound is spent.
+            until = time.monotonic() + bound
+            while True:
+                try:
+                    await self._row("lease_release_bounded", self.name, self.holder, fence,
+                                    lock_timeout_setting(max(0.001, until - time.monotonic())),
+                                    via=statement)
+                    return
+                except Exception as exc:
+                    if (_errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED
+                            or time.monotonic() >= until):
+                        raise
 
         try:
             await _retried(f"releasing lease {self.name!r}", self._attempts, once)

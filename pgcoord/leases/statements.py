@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._core import errmap as _errmap
 from .._core.checks import SECONDS_MAX, text
-from .._drivers import release_async, tx_session_async
+from .._drivers import autocommit_retrying, release_async, tx_session_async
 from .._drivers.adapt import is_pool_timeout
 from .._drivers.capacity import pool_capacity
 from .._drivers.protocol import TxSession
@@ -128,7 +128,7 @@ class _Statement:
         self._session, self.lent = session, True
         try:
             with _errmap.schema_missing_raised():
-                return await session.run_autocommit(sql, params)
+                return await autocommit_retrying(session, sql, params)
         except Exception as exc:
             if _dead_connection(exc):
                 # Cut it before giving it back, so the pool replaces it: asyncpg

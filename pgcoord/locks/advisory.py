@@ -70,8 +70,7 @@ class LockRequest:
                 return LockTimeout(f"advisory lock {self.describe()} not granted within 0s")
             return LockBusy(f"advisory lock {self.describe()} is held by another session")
         if code == _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
-            within = f" within {self.timeout}s" if self.timeout is not None else ""
-            return LockTimeout(f"advisory lock {self.describe()} not granted{within} (lock_timeout)")
+            return LockTimeout(f"advisory lock {self.describe()} {not_granted(self.timeout)}")
         if code == _errmap.SQLSTATE_DEADLOCK:
             return Deadlock(
                 f"deadlock detected while waiting for advisory lock {self.describe()}"
@@ -90,18 +89,30 @@ class LockRequest:
         raise mapped from exc
 
 
+def not_granted(timeout: float | None) -> str:
+    """How a 55P03 reads: pgcoord's own bound, or a lock_timeout pgcoord did not set
+    (a statement on a shared session that must not wait, say)."""
+    if timeout is None:
+        return ("not granted: the session's lock_timeout cut a wait without a timeout "
+                "short (pgcoord sets none on it: a setting of the session's own did)")
+    return f"not granted within {timeout}s (lock_timeout)"
+
+
 @functools.lru_cache(maxsize=4096)
 def _statement(key: int, fn: str, wait: bool, timeout: float | None) -> LockStatement:
     """The lock statement for one key and mode; cached, as services reuse their keys."""
     if not wait or timeout == 0:
         inline = query("advisory_try").format(fn=fn.replace("pg_", "pg_try_", 1), key=key)
         return LockStatement(inline, inline, ())
-    if timeout is None:
-        return LockStatement(query("advisory_wait").format(fn=fn, key=key),
-                             query("advisory_call").format(fn=fn), (key,))
-    timeout_ms = max(1, math.ceil(timeout * 1000))
-    inline = query("advisory_timeout").format(fn=fn, key=key, timeout_ms=timeout_ms)
-    return LockStatement(inline, inline, ())
+    # A wait is bounded by pgcoord alone: lock_timeout is set for the lock's own
+    # statement (0, "until granted", for timeout=None) and put back after it.
+    # ``inline`` also keeps statement_timeout off it (advisory_untimed, three
+    # statements in one simple-protocol message); ``bound`` is one statement, for
+    # the paths that send one (a DO block: lock_timeout only).
+    timeout_ms = 0 if timeout is None else max(1, math.ceil(timeout * 1000))
+    single = query("advisory_timeout").format(fn=fn, key=key, timeout_ms=timeout_ms)
+    inline = query("advisory_untimed").format(fn=fn, key=key, timeout_ms=timeout_ms)
+    return LockStatement(inline, single, ())
 
 
 def exclusive(

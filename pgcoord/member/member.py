@@ -102,7 +102,7 @@ class Member:
         self.polling: bool | None = None
         self._tasks = Supervisor(f"member {self.name!r}", log)
         self._ring = RingWatch(self.name, self.ttl, lambda: self.id, self._call, self._spawn,
-                               self._forget, lambda: self._lost.set())
+                               self._forget)
         self._ring.fresh_ring = self._read_ring
         self._runner: asyncio.Task[None] | None = None
         self._open = False
@@ -249,9 +249,7 @@ class Member:
             self.id = int(joined["id"])
             self.joined_at = dt.datetime.fromisoformat(joined["joined_at"])
             if not self.polling:
-                watcher = await self._open_session("/watch")
-                self._ring.session = watcher
-                watcher.on_lost(lost.set)
+                self._ring.use(await self._open_session("/watch"))
         except BaseException:
             await finish_despite_cancel(self._drop_sessions())
             raise
@@ -319,7 +317,7 @@ class Member:
                 parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
                 if not self.polling:
                     parts += [
-                        self._spawn(self._ring.run(), f"pgcoord-member-watch:{self.name}"),
+                        self._spawn(self._watch(), f"pgcoord-member-watch:{self.name}"),
                         self._spawn(self._news_loop(), f"pgcoord-member-news:{self.name}"),
                     ]
                 lost_wait = asyncio.ensure_future(self._lost.wait())
@@ -344,6 +342,36 @@ class Member:
             await self._stop_tasks()
             await finish_despite_cancel(self._drop_sessions())
             self._forget_view(own_id)
+            await backoff.sleep()
+
+    async def _watch(self) -> None:
+        """The ring watch, for as long as the main session lives. Only a lost main
+        session ends the member: a watcher session that fails (an operator or a tool
+        ended what looked like a long-waiting query, an error of its own) is closed
+        and another one opened, under the same id. Meanwhile the heartbeat's sweep
+        still tells deaths, within ttl/3."""
+        backoff = Backoff(first=0.05, cap=self.ttl / 3)
+        while True:
+            try:
+                if self._ring.session is None:
+                    self._ring.use(await self._open_session("/watch"))
+                    log.info("member %r (id %s): watching again on a new session", self.name, self.id)
+                if self._lost.is_set():
+                    return
+                await self._ring.run()
+            except Exception as exc:
+                if not self._lost.is_set():
+                    log.warning("member %r (id %s): its watcher failed (%r); opening another",
+                                self.name, self.id, exc)
+                    backoff.failed()
+            # Closed now, not when the member drops its sessions: a watcher granted
+            # a lock must not hold it a moment longer than its watch.
+            watcher, self._ring.session = self._ring.session, None
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await finish_despite_cancel(watcher.close_now())
+            if self._lost.is_set():
+                return  # the main session went too: the member joins again
             await backoff.sleep()
 
     def _forget_view(self, own_id: int | None) -> None:

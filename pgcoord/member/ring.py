@@ -51,22 +51,23 @@ def candidacy_key(lease: str) -> int:
 
 class RingWatch:
     """One member's place in the ring. ``call`` runs a statement on the member's main
-    session, ``spawn`` starts an owned task, ``told_dead(id, reason)`` tells the member
-    that a peer is gone and ``session_gone()`` that a session of its own is."""
+    session, ``spawn`` starts an owned task and ``told_dead(id, reason)`` tells the
+    member that a peer is gone. ``run()`` raises when the watcher session fails; the
+    member then opens another (``watch()``), and keeps its id and main session."""
 
     def __init__(self, name: str, ttl: float, own_id: Callable[[], int | None],
                  call: Callable[..., Awaitable[Any]], spawn: Callable[[Any, str], Any],
-                 told_dead: Callable[[int, str], None], session_gone: Callable[[], None]) -> None:
+                 told_dead: Callable[[int, str], None]) -> None:
         self._name = name
         self._ttl = ttl
         self._own_id = own_id
         self._call = call
         self._spawn = spawn
         self._told_dead = told_dead
-        self._session_gone = session_gone
         #: Ids of every live member of every group, in ring order.
         self.ids: list[int] = []
         self._session: HolderConnection | None = None
+        self._session_lost = False
         self._target: int | None = None
         self._waiting = False  # the watcher is in a wait that a cancel ends
         #: Candidacies: lock key -> what to wake when it is poked.
@@ -154,11 +155,22 @@ class RingWatch:
         if self.fresh_ring is not None:
             await self.fresh_ring()
 
+    def use(self, watcher: HolderConnection) -> None:
+        """Watch on ``watcher`` from now on (a new watcher session)."""
+        self.session, self._session_lost, self._target = watcher, False, None
+        watcher.on_lost(lambda: self._on_session_lost(watcher))
+
+    def _on_session_lost(self, watcher: HolderConnection) -> None:
+        if watcher is self._session:  # not an earlier watcher session, closed since
+            self._session_lost = True
+
     async def run(self) -> None:
         """Watch successor after successor until the watcher session fails."""
         watcher = self._session
         assert watcher is not None
         while True:
+            if self._session_lost:
+                raise SessionLost("the member's watcher session is gone")
             try:
                 await self._sync_stands(watcher)
             except Exception as exc:
@@ -183,8 +195,6 @@ class RingWatch:
                     await self._unwatch(watcher, target, held_or_not=True)
                     await self._woken()
                     continue
-                if _errmap.session_gone(exc):
-                    self._session_gone()
                 raise
             finally:
                 self._waiting = False

@@ -111,6 +111,17 @@ def sql(dsn: str, statement: str, *params: object) -> list[tuple[object, ...]]:
         return cur.fetchall() if cur.description else []
 
 
+def setting_seconds(dsn: str, name: str) -> float | None:
+    """A timeout setting (``lock_timeout``, ``statement_timeout``, ...) as the server,
+    database or role leave it for a new session of ``dsn``, in seconds; None when off.
+    For tests whose bounds a production-like setting changes (the settings suite)."""
+    rows = sql(dsn, "select setting::float8, unit from pg_settings where name = %s", name)
+    if not rows or not rows[0][0]:
+        return None
+    value, unit = float(rows[0][0]), rows[0][1]  # type: ignore[arg-type]
+    return value / 1000 if unit == "ms" else value
+
+
 def unique(prefix: str) -> str:
     """A name no other test uses: tests share one database."""
     return f"{prefix}:{uuid.uuid4().hex[:8]}"

@@ -113,6 +113,16 @@ class TxScoped(ABC):
         self._session = session
         return session
 
+    def _dead_retries(self) -> int:
+        """Tries on another connection after a dead pooled one: one per connection the
+        pool may hold (idle_session_timeout ends all of an idle pool's at once), and
+        at least DEAD_POOLED_RETRIES."""
+        from ..._drivers.capacity import pool_capacity
+        from . import DEAD_POOLED_RETRIES
+
+        capacity = pool_capacity(self._source)
+        return DEAD_POOLED_RETRIES if capacity is None else min(max(DEAD_POOLED_RETRIES, capacity), 12)
+
     def _deadline(self, started: float) -> float | None:
         """When a wait that began at ``started`` gives up; None: never, or the server decides."""
         return None

@@ -18,13 +18,12 @@ from ...._core import errmap as _errmap
 from ...._drivers import release_async, tx_session_async
 from ...._drivers.base import AsyncTxSession
 from ....observability import metrics
-from .. import DEAD_POOLED_RETRIES
 from ..base import TxScoped
 
 
 class AsyncTxScoped(TxScoped):
     async def __aenter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
+        retries = self._dead_retries()
         asked = time.monotonic()
         deadline = self._deadline(asked)
         while True:

@@ -19,13 +19,12 @@ from ...._core import errmap as _errmap
 from ...._drivers import release_sync, tx_session_sync
 from ...._drivers.base import SyncTxSession
 from ....observability import metrics
-from .. import DEAD_POOLED_RETRIES
 from ..base import TxScoped
 
 
 class SyncTxScoped(TxScoped):
     def __enter__(self) -> Any:
-        retries = DEAD_POOLED_RETRIES
+        retries = self._dead_retries()
         asked = time.monotonic()
         deadline = self._deadline(asked)
         while True:
