@@ -382,6 +382,10 @@ async def test_sql_functions_and_the_cli_pause_resume_trigger_and_show_history(
         assert out.returncode == 0, out.stderr
         await wait_for(lambda: len(ran) == 1)  # a running replica with the handler ran it
         assert ran[0].manual and ran[0].args == {"k": 1}
+        # Its end is recorded just after the body returns, by this event loop: let it
+        # be, before the blocking CLI calls below hold the loop.
+        await wait_for(lambda: sql(dsn, "select count(*) from pgcoord.job_slots where job = %s"
+                                        " and state = 'succeeded'", name) == [(1,)])
         assert cli(dsn, "pause", name).returncode == 0
         assert sql(dsn, "select paused from pgcoord.schedules where name = %s", name) == [(True,)]
         assert sql(dsn, "select pgcoord.schedule_resume(%s)", name) == [(True,)]
