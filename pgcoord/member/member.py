@@ -28,10 +28,8 @@ A member uses exactly two server connections, whatever else runs on it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime as dt
-import functools
 import json
 import logging
 from collections.abc import Callable
@@ -41,8 +39,8 @@ from .._core import errmap as _errmap
 from .._core.aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
-from .._drivers.protocol import Unlisten
 from ..errors import SchemaMissing
+from .channels import Channels
 from .info import (
     MemberChange,
     MemberInfo,
@@ -87,10 +85,8 @@ class Member:
         self._view: dict[int, MemberInfo] = {}
         self._left_hooks: list[Callable[[int], None]] = []
         self._lost_hooks: list[Callable[[int], None]] = []
-        #: Other channels features listen to on the member's session: name -> callbacks.
-        self._channels: dict[str, list[Callable[[str], None]]] = {}
-        self._listening: set[str] = set()  # channels LISTENed on the current session
-        self._unlistens: dict[str, Unlisten] = {}  # how to stop each, on the current session
+        #: What features listen to on the member's session, and what it LISTENs to.
+        self._channels = Channels(self.name)
         #: LockHolders on this member share its session, and session locks are
         #: re-entrant per session: their per-key FIFO must be the member's.
         self.holder_queues: dict[int, Any] = {}
@@ -173,7 +169,7 @@ class Member:
                 with contextlib.suppress(Exception):
                     await conn.close_now()
         self._ring.session = self._main = None
-        self._unlistens = {}
+        self._channels.session_gone()
         self.id = None
         self._joined.clear()
 
@@ -230,7 +226,7 @@ class Member:
                     self.name)
             elif self._needs_news():
                 # Before joining, so that no news after our join is missed.
-                self._unlistens[CHANNEL] = await main.listen(CHANNEL, self._on_notify)
+                await self._channels.listen_first(main, CHANNEL, self._on_notify)
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
@@ -254,11 +250,11 @@ class Member:
             await finish_despite_cancel(self._drop_sessions())
             raise
         self._lost = lost
-        self._listening = set(self._unlistens)
+        self._channels.new_session()
         await self._refresh(initial=True)
         await self._listen_all()  # and no longer on membership news if not alone
         if not self.polling:
-            await self._tell_predecessor()
+            await self._ring.tell_predecessor()
         self._joined.set()
         log.info("member %r joined group %r as id %d", self.name, self.group, self.id)
 
@@ -442,27 +438,9 @@ class Member:
     async def _read_ring(self) -> None:
         """The ring read afresh, for a member that does not listen to membership news:
         members gone from it are told to the left hooks, and the watcher moves on."""
-        if CHANNEL in self._listening or self.polling:
-            return
-        ring = [int(i) for i in json.loads(await self._call(query("member_ring")))]
-        for member_id in set(self._ring.ids) - set(ring):
-            self._call_hooks(self._left_hooks, member_id)
-        self._ring.ids = ring
-        self._ring.retarget()
-
-    async def _tell_predecessor(self) -> None:
-        """A member that joined between two others: the one before us watches our
-        successor, and must watch us now. It may not listen to membership news, so
-        its watcher's wait is cut short, and it reads the ring afresh."""
-        successor = self._ring.successor()
-        if successor is None:
-            return
-        try:
-            await self._call(query("member_poke_predecessor"), successor)
-        except SessionLost:
-            raise
-        except Exception as exc:  # another role's session: its heartbeat finds us
-            log.info("member %r: could not wake the member before us: %r", self.name, exc)
+        if CHANNEL not in self._listening and not self.polling:
+            for member_id in await self._ring.read():
+                self._call_hooks(self._left_hooks, member_id)
 
     def stand(self, lease: str, poke: Callable[[], None]) -> Callable[[], None]:
         """Stand for ``lease`` on this member (a follower, a waiting ``Lease``):
@@ -478,36 +456,19 @@ class Member:
         alone in the ring listens too: its watcher has nobody to wait for, and the
         news of the next member's join is how it learns whom to watch (at most one
         session in the database listens for that reason)."""
-        return (bool(self._subscribers) or any(self._channels.values())
+        return (bool(self._subscribers) or self._channels.wanted()
                 or self._ring.successor() is None)
-
-    async def _unlock_owned(self, incarnation: int, owned: collections.Counter[tuple[int, bool]]) -> None:
-        """Unlock what a feature left held on our session (each level taken)."""
-        for (key, shared), count in owned.items():
-            fn = "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
-            for _ in range(count):
-                if self.id != incarnation:
-                    return  # that session is gone, and its locks with it
-                try:
-                    await self._call(query("advisory_call").format(fn=fn), key)
-                except SessionLost:
-                    return
-                except Exception as exc:
-                    log.warning("member %r: unlocking %d failed: %r", self.name, key, exc)
 
     async def listen(self, channel: str, callback: Callable[[str], None]) -> Callable[[], None]:
         """Call ``callback(payload)`` for each NOTIFY on ``channel``, on the member's
         session, from now on and again after every rejoin (news sent while the
         session was away is lost: callers also look for themselves now and then).
         Behind a pooler nothing arrives. Returns a function that stops it."""
-        self._channels.setdefault(channel, []).append(callback)
-        callbacks = self._channels[channel]
+        remove = self._channels.add(channel, callback)
 
         def stop() -> None:
-            if callback in callbacks:
-                callbacks.remove(callback)
-                if not callbacks and self._joined.is_set():
-                    self._spawn(self._listen_all(), f"pgcoord-member-unlisten:{self.name}")
+            if remove() and self._joined.is_set():
+                self._spawn(self._listen_all(), f"pgcoord-member-unlisten:{self.name}")
 
         if self._joined.is_set():
             try:
@@ -516,6 +477,11 @@ class Member:
                 stop()
                 raise
         return stop
+
+    @property
+    def _listening(self) -> set[str]:
+        """The channels LISTENed to on the current session."""
+        return self._channels.listening
 
     async def _listen_all(self) -> None:
         """LISTEN on every channel needed now and not yet listened to on this session,
@@ -528,29 +494,11 @@ class Member:
         caught_up = False
         async with self._main_io:
             while main is self._main:
-                needed = {c for c, callbacks in self._channels.items() if callbacks}
-                if self._needs_news():
-                    needed.add(CHANNEL)
-                todo, done = needed - self._listening, self._listening - needed
-                if not todo and not done:
-                    break
                 if self._lost.is_set():
                     return  # the next session listens on what it needs when it joins
                 try:
-                    if todo:
-                        channel = todo.pop()
-                        callback = (self._on_notify if channel == CHANNEL
-                                    else functools.partial(self._on_channel, channel))
-                        self._unlistens[channel] = await main.listen(channel, callback)
-                        self._listening.add(channel)
-                        caught_up = caught_up or channel == CHANNEL
-                    else:
-                        channel = done.pop()
-                        self._listening.discard(channel)
-                        unlisten = self._unlistens.pop(channel, None)
-                        if unlisten is not None:
-                            await unlisten()
-                            await main.execute(f'UNLISTEN "{channel}"')
+                    base = CHANNEL if self._needs_news() else None
+                    changed = await self._channels.step(main, base, self._on_notify)
                 except Exception as exc:
                     if not _errmap.session_gone(exc):
                         mapped = _errmap.as_schema_missing(exc)
@@ -561,15 +509,11 @@ class Member:
                     # listens on every registered channel. Not the caller's error.
                     self._lost.set()
                     return
+                if changed is None:
+                    break
+                caught_up = caught_up or (changed == CHANNEL and CHANNEL in self._listening)
         if caught_up and self._joined.is_set():
             await self._refresh()  # what changed while the LISTEN was being set up
-
-    def _on_channel(self, channel: str, payload: str) -> None:
-        for callback in list(self._channels.get(channel, ())):
-            try:
-                callback(payload)
-            except Exception:
-                log.exception("member %r: a listener on %r failed", self.name, channel)
 
     def _call_hooks(self, hooks: list[Callable[[int], None]], member_id: int) -> None:
         for hook in list(hooks):

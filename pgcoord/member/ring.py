@@ -224,6 +224,29 @@ class RingWatch:
             await self._unwatch(watcher, target)
             await self._woken()
 
+    async def read(self) -> set[int]:
+        """Read the ring afresh (when membership news is not listened to) and move the
+        watcher on if its target changed; returns the members gone from it."""
+        ring = [int(i) for i in json.loads(await self._call(query("member_ring")))]
+        gone = set(self.ids) - set(ring)
+        self.ids = ring
+        self.retarget()
+        return gone
+
+    async def tell_predecessor(self) -> None:
+        """A member that joined between two others: the one before us watches our
+        successor, and must watch us now. It may not listen to membership news, so
+        its watcher's wait is cut short, and it reads the ring afresh."""
+        successor = self.successor()
+        if successor is None:
+            return
+        try:
+            await self._call(query("member_poke_predecessor"), successor)
+        except SessionLost:
+            raise
+        except Exception as exc:  # another role's session: its heartbeat finds us
+            log.info("member %r: could not wake the member before us: %r", self._name, exc)
+
     async def _idle(self, watcher: HolderConnection) -> None:
         # Alone: nothing to wait for. A sleep on the server, not here: the session
         # must not go idle for its idle_session_timeout (that is for a paused

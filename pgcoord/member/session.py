@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,28 @@ from .._drivers.dedicated import HolderConnection
 
 if TYPE_CHECKING:
     from .member import Member
+
+log = logging.getLogger("pgcoord.member")
+
+
+async def unlock_owned(member: Member, incarnation: int,
+                       owned: collections.Counter[tuple[int, bool]]) -> None:
+    """Unlock what a feature left held on ``member``'s session (each level taken), while
+    that session (``incarnation``) lives: the server let go of the rest with it."""
+    from .._core.queries import query
+
+    for (key, shared), count in owned.items():
+        fn = "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
+        for _ in range(count):
+            if member.id != incarnation:
+                return
+            try:
+                await member._call(query("advisory_call").format(fn=fn), key)
+            except SessionLost:
+                return
+            except Exception as exc:
+                log.warning("member %r: unlocking %d failed: %r", member.name, key, exc)
+
 
 class SessionLost(Exception):
     """The member's session is gone (internal: features map it to their own
@@ -69,7 +92,7 @@ class MemberSession(HolderConnection):
         the session still lives (else it went with the session)."""
         if self._member.id == self._incarnation:
             self._member._spawn(
-                self._member._unlock_owned(self._incarnation, collections.Counter({(key, False): count})),
+                unlock_owned(self._member, self._incarnation, collections.Counter({(key, False): count})),
                 f"pgcoord-member-release:{self._member.name}")
 
     def terminate(self) -> None:
@@ -82,7 +105,7 @@ class MemberSession(HolderConnection):
             unhook()
         owned, self.owned = self.owned, collections.Counter()
         if owned and self._member.id == self._incarnation:
-            self._member._spawn(self._member._unlock_owned(self._incarnation, owned),
+            self._member._spawn(unlock_owned(self._member, self._incarnation, owned),
                                 f"pgcoord-member-release:{self._member.name}")
 
     def abort(self) -> None:
