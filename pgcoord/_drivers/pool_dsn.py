@@ -15,7 +15,7 @@ is refused with ``UnsupportedConnection`` saying so: the caller then passes a
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from ..errors import UnsupportedConnection
 from .adapt import driver_of
@@ -78,9 +78,52 @@ def _asyncpg_dsn(dsn: Any, kwargs: dict[str, Any]) -> str:
     base = "postgresql://" if dsn is None else str(dsn)
     if not params:
         return base
-    # Parameters in the query take precedence over the URL's own parts, as the
-    # pool's keyword arguments do over its DSN.
+    # asyncpg lets keyword arguments win over the DSN, but a URL's own parts (its
+    # user, password, hosts and database) win over its query: so those are written
+    # into the URL itself, and only the rest goes in the query.
+    base = _with_url_parts(base, params)
+    if not params:
+        return base
     return base + ("&" if "?" in base else "?") + urlencode(params)
+
+
+def _with_url_parts(url: str, params: dict[str, str]) -> str:
+    """``url`` with the user, password, hosts/ports and database of ``params`` (taken
+    out of it) in place of its own. A host that is a socket directory stays in
+    ``params``, and the URL then names no host (asyncpg reads it from the query)."""
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    if "user" in params:
+        user = quote(params.pop("user"), safe="")
+    if "password" in params:
+        password, colon = quote(params.pop("password"), safe=""), ":"
+    if "host" in params or "port" in params:
+        old = [_host_port(h) for h in hostlist.split(",")] if hostlist else []
+        hosts = params["host"].split(",") if "host" in params else [h for h, _p in old] or [""]
+        ports = params.pop("port").split(",") if "port" in params else [p for _h, p in old if p]
+        if any(h.startswith("/") for h in hosts):
+            hostlist = ""  # sockets: in the query, with the ports
+            if ports:
+                params["port"] = ",".join(ports)
+        else:
+            params.pop("host", None)
+            ports = ports if len(ports) == len(hosts) else (ports[:1] * len(hosts))
+            hostlist = ",".join(f"{h}:{p}" if p else h for h, p in zip(hosts, ports or [""] * len(hosts),
+                                                                       strict=True))
+    path = "/" + quote(params.pop("dbname"), safe="") if "dbname" in params else parts.path
+    credentials = user + (colon + password if password or colon else "")
+    netloc = (credentials + "@" if credentials or at else "") + hostlist
+    return urlunsplit((parts.scheme or "postgresql", netloc, path, parts.query, parts.fragment))
+
+
+def _host_port(item: str) -> tuple[str, str]:
+    """``host:port`` of a URL's host list: ``[::1]:5432``, ``db:5432``, ``db``."""
+    if item.startswith("["):
+        close = item.find("]")
+        return item[:close + 1], item[close + 2:]
+    host, colon, port = item.rpartition(":")
+    return (host, port) if colon else (item, "")
 
 
 def _psycopg_dsn(conninfo: str, kwargs: dict[str, Any]) -> str:

@@ -22,7 +22,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._core.aio import CLEANUP_TIMEOUT, Supervisor, absorb_cancel, consume_result
+from .._core.aio import (
+    CLEANUP_TIMEOUT,
+    CleanupTimeout,
+    Supervisor,
+    absorb_cancel,
+    consume_result,
+    finish_despite_cancel,
+)
 from .._core.checks import count, seconds, text
 from .._drivers import check_source
 from .._drivers.capacity import pool_capacity
@@ -288,18 +295,27 @@ class Scheduler:
                 raise
             absorb_cancel()
         finally:
-            unhook()
-            if declaring is not None:
-                declaring.cancel()
-                declaring.add_done_callback(consume_result)
-            await self._jitters.stop()
-            await self._chores.stop()
-            await self._runs.close()
-            for own in own_unhook:
-                own()
-            if self._own is not None:
-                await self._own.close()
-            self._run_task = None
+            try:
+                unhook()
+                if declaring is not None:
+                    declaring.cancel()
+                    declaring.add_done_callback(consume_result)
+                await self._jitters.stop()
+                await self._chores.stop()
+                await self._runs.close()
+            finally:
+                # Also when stop() ran out of patience and cancelled the above: a private
+                # member left open would hold the claims of runs left behind for ever.
+                for own in own_unhook:
+                    own()
+                try:
+                    if self._own is not None:
+                        await finish_despite_cancel(self._own.close(), bound=CLEANUP_TIMEOUT)
+                except CleanupTimeout:
+                    log.warning("scheduler: closing its private member took over %.0f s; left "
+                                "to close in the background", CLEANUP_TIMEOUT)
+                finally:
+                    self._run_task = None
 
     async def _register(self) -> asyncio.Task[None] | None:
         """Write the code's schedules. If that fails (the database away, or a lock
@@ -363,7 +379,9 @@ class Scheduler:
         self._drain = drain
         self._draining = True
         self._wake.set()
-        done, _ = await asyncio.wait({task}, timeout=drain + 2 * CLEANUP_TIMEOUT)
+        # run()'s own cleanup is bounded: the runs stopped (2 x CLEANUP_TIMEOUT), their
+        # last records (one more), the private member closed (one more).
+        done, _ = await asyncio.wait({task}, timeout=drain + 4 * CLEANUP_TIMEOUT)
         self._runs.stopping = True
         if not done:
             task.cancel()

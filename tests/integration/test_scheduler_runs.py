@@ -331,3 +331,39 @@ async def test_a_pool_whose_parameters_no_dsn_holds_runs_untied_and_says_why(
                    for r in caplog.records)
     finally:
         await pool.close()
+
+
+@pytest.mark.slow
+async def test_a_stop_that_leaves_a_stubborn_run_behind_still_closes_the_private_member(
+    dsn: str, pool: asyncpg.Pool,
+) -> None:
+    """A body that swallows every cancellation outlives stop()'s bound; stop() still
+    closes the private member, so that the run's claim ends with it instead of
+    holding the job on every replica for as long as the process lives."""
+    job = unique("stubborn")
+    s = Scheduler(pool)
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    @s.cron(job, "* * * * * *")
+    async def work(slot: Slot) -> None:
+        started.set()
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass  # swallowed, again and again
+
+    task = asyncio.create_task(s.run())
+    try:
+        await asyncio.wait_for(started.wait(), 15)
+        _, _, member_id = s.runner.rpartition("/")
+        assert member_id.isdigit()
+        await asyncio.wait_for(s.stop(drain=0.5), 60)
+        assert task.done()
+        assert sql(dsn, "select count(*) from pg_stat_activity where application_name like %s",
+                   f"pgcoord-scheduler:{s.runner.rpartition('/')[0]}%") == [(0,)]
+        assert sql(dsn, "select count(*) from pgcoord.members where id = %s", int(member_id)) == [(0,)]
+    finally:
+        release.set()
+        await asyncio.gather(task, return_exceptions=True)
