@@ -135,3 +135,7 @@ DROP TRIGGER schedules_paused_updated ON pgcoord.schedules;
 DROP TRIGGER schedules_paused_inserted ON pgcoord.schedules;
 DROP FUNCTION pgcoord.schedule_paused();
 DROP TABLE pgcoord.schedule_pauses;
+
+ALTER TABLE pgcoord.schedules
+    DROP CONSTRAINT schedules_timeout_finite,
+    DROP CONSTRAINT schedules_deadline_finite;

@@ -222,3 +222,11 @@ CREATE FUNCTION pgcoord.schedule_take_owed(
         ON CONFLICT (job, slot_at) DO NOTHING
         RETURNING s.job, s.slot_at, s.attempt, s.manual
     $body$;
+
+-- A duration NaN or infinite passes `CHECK (timeout > 0)` (NaN is greater than every
+-- number in PostgreSQL) and would reach the replicas' timers: refused from now on.
+-- NOT VALID: a row written so before is flagged by the library (ScheduleInfo.error)
+-- and repaired by update().
+ALTER TABLE pgcoord.schedules
+    ADD CONSTRAINT schedules_timeout_finite CHECK (timeout < 'Infinity'::double precision) NOT VALID,
+    ADD CONSTRAINT schedules_deadline_finite CHECK (deadline < 'Infinity'::double precision) NOT VALID;

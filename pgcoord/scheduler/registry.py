@@ -139,6 +139,11 @@ class Registry:
         try:
             zone = check_zone(tz)
             check_expr(expr, zone)
+            # NaN or infinity written through SQL (CHECK (timeout > 0) holds for NaN)
+            # must not reach asyncio's timers.
+            for value, what in ((timeout, "timeout"), (deadline, "deadline")):
+                if value is not None:
+                    seconds(float(value), what)
         except ValueError as exc:  # written by hand in SQL, perhaps: run nothing of it
             if (name, version) not in self._bad_rows:
                 self._bad_rows.add((name, version))

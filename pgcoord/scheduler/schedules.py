@@ -209,12 +209,15 @@ def _readable(expr: Any, tz: Any) -> ZoneInfo | None:
     return zone
 
 
-def row_error(expr: Any, tz: Any) -> str | None:
-    """Why a stored schedule cannot run (a bad expression or zone written through
-    SQL), or None."""
+def row_error(expr: Any, tz: Any, timeout: Any = None, deadline: Any = None) -> str | None:
+    """Why a stored schedule cannot run (a bad expression, zone or duration written
+    through SQL: a CHECK (timeout > 0) holds for NaN), or None."""
     try:
         check_expr(expr, check_zone(tz))
-    except ValueError as exc:
+        for value, what in ((timeout, "timeout"), (deadline, "deadline")):
+            if value is not None:
+                seconds(float(value), what)
+    except (TypeError, ValueError) as exc:
         return str(exc)
     return None
 
@@ -267,7 +270,7 @@ def infos(now: dt.datetime, text: str | list[Any]) -> list[ScheduleInfo]:
     found = []
     for r in rows:
         # One row written badly through SQL is listed, flagged, and hides no other.
-        error = row_error(r["expr"], r["tz"])
+        error = row_error(r["expr"], r["tz"], r.get("timeout"), r.get("deadline"))
         next_at: dt.datetime | None = None
         if error is None:
             since = _when(r["since"])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
@@ -297,6 +298,29 @@ async def test_a_bad_zone_written_through_sql_is_flagged_and_update_repairs_it(
     assert info.error is not None and "Mars/Base" in info.error
     repaired = await s.update(name, tz="Europe/Berlin")
     assert repaired.error is None and repaired.next_run_at is not None
+
+
+@pytest.mark.parametrize("field", ["timeout", "deadline"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+async def test_a_duration_nan_or_infinite_written_through_sql_is_refused_there(
+        dsn: str, pool: asyncpg.Pool, field: str, value: str) -> None:
+    # Before: CHECK (timeout > 0) holds for NaN, and the row reached every replica's
+    # asyncio timers (slots of other jobs then ran late or not at all).
+    s = Scheduler(pool)
+    name = unique(f"nan-{field}")
+    await s.add(name, "0 9 * * *", handler="h")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        sql(dsn, "select pgcoord.schedule_update(%s, %s::jsonb)", name, json.dumps({field: value}))
+    assert {i.name: i for i in await s.schedules()}[name].error is None
+
+
+def test_a_stored_duration_nan_or_infinite_is_flagged() -> None:
+    from pgcoord.scheduler.schedules import row_error
+
+    for value in ("NaN", "Infinity", float("nan")):
+        assert row_error("0 9 * * *", "UTC", timeout=value) is not None
+        assert row_error("0 9 * * *", "UTC", deadline=value) is not None
+    assert row_error("0 9 * * *", "UTC", timeout=5.0, deadline=60.0) is None
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
