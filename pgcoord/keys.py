@@ -36,7 +36,16 @@ def lock_key(key: LockKeyLike) -> int:
 
 @lru_cache(maxsize=4096)
 def _hash_name(name: str) -> int:
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    if "\x00" in name:
+        # PostgreSQL text cannot hold one: pgcoord.lock_key() in SQL, the lock's
+        # recorded name and pgcoord.holders could never name this lock.
+        raise ValueError(f"lock name {name!r} contains a NUL character, which PostgreSQL text "
+                         "cannot hold")
+    try:
+        data = name.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise ValueError(f"lock name {name!r} is not valid Unicode text: {exc.reason}") from None
+    digest = hashlib.sha256(data).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 

@@ -65,17 +65,29 @@ def count(value: Any, what: str, *, minimum: int = 1, maximum: int = INT4_MAX) -
     return value
 
 
+#: How deep a JSON value pgcoord stores may nest (PostgreSQL's jsonb parser runs out
+#: of stack far deeper, at a depth that depends on max_stack_depth).
+JSON_DEPTH_MAX = 1000
+
+
 def no_nul(value: Any, what: str) -> None:
-    """ValueError if a JSON value holds a NUL character in a string or key (jsonb,
-    like text, cannot store one)."""
-    stack = [value]
+    """ValueError if jsonb cannot store a JSON value: a NUL character or a lone
+    surrogate in a string or key (jsonb, like text, cannot hold either), or nesting
+    deeper than JSON_DEPTH_MAX."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
+        if depth > JSON_DEPTH_MAX:
+            raise ValueError(f"{what} nests deeper than {JSON_DEPTH_MAX} levels")
         if isinstance(item, str):
             if "\x00" in item:
                 raise ValueError(f"{what} must not contain a NUL character (jsonb cannot hold one)")
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{what} holds text that is not valid Unicode: {exc.reason}") from None
         elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            stack.extend((k, depth + 1) for k in item)
+            stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list | tuple):
-            stack.extend(item)
+            stack.extend((v, depth + 1) for v in item)

@@ -439,3 +439,43 @@ def one_line(result: subprocess.CompletedProcess[str], code: int) -> str:
     assert len(lines) == 1 and lines[0].startswith("pgcoord: "), result.stderr
     assert result.returncode == code, (result.returncode, result.stderr)
     return lines[0]
+
+
+async def test_text_jsonb_cannot_hold_and_nesting_beyond_the_bound_are_refused_at_the_call(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    import pgcoord
+
+    # Before: a lone surrogate leaked asyncpg's InvalidTextRepresentationError at add(),
+    # update() and Member.open(); args nested 20,000 deep a StatementTooComplexError.
+    s = Scheduler(pool)
+    deep: object = 1
+    for _ in range(20_000):
+        deep = [deep]
+    name = unique("surrogate")
+    for args in ({"a": "\ud800"}, {"\udc80": 1}, {"deep": deep}):
+        with pytest.raises(ValueError):
+            await s.add(name, "0 9 * * *", handler="h", args=args)
+    await s.add(name, "0 9 * * *", handler="h")
+    with pytest.raises(ValueError):
+        await s.update(name, args={"k": "\udc80"})
+    with pytest.raises(ValueError):
+        pgcoord.Member(dsn, meta={"a": "\ud800"})
+
+
+@pytest.mark.parametrize("bad", ["k\x00x", "\ud800"])
+async def test_lock_names_text_cannot_hold_are_refused_at_the_call(
+        dsn: str, pool: asyncpg.Pool, bad: str) -> None:
+    import pgcoord
+
+    # Before: a NUL was held under a name never recorded (pgcoord.lock_key() in SQL
+    # cannot compute it); a lone surrogate raised a bare UnicodeEncodeError.
+    with pytest.raises(ValueError, match="lock name"):
+        async with pgcoord.exclusive(pool, bad):
+            pass
+    with pytest.raises(ValueError, match="lock name"):
+        async with pgcoord.semaphore(pool, bad, limit=2):
+            pass
+    async with pgcoord.LockHolder(dsn) as holder:
+        with pytest.raises(ValueError, match="lock name"):
+            async with holder.lock(bad):
+                pass
