@@ -76,9 +76,9 @@ def check_dsn(dsn: str, *, url_only: bool = False) -> str:
         for hostport in netloc.split(","):  # libpq allows host1:port1,host2:port2
             match = re.fullmatch(r"(\[[^\]]*\]|[^:\[\]]*)(?::(.*))?", hostport)
             port = match.group(2) if match else hostport
-            if port and not port.isdigit():
-                raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a number; "
-                                           f"expected {_DSN_EXAMPLE}")
+            if port and not _is_port(port):
+                raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a port number "
+                                           f"(1 to 65535); expected {_DSN_EXAMPLE}")
     elif url_only:
         what = "key=value pairs (only status takes those)" if "=" in dsn else "not a URL"
         raise CliError(EXIT_USAGE, f"--dsn is {what}; expected {_DSN_EXAMPLE}")
@@ -94,13 +94,18 @@ def check_dsn(dsn: str, *, url_only: bool = False) -> str:
         raise CliError(EXIT_USAGE, f"--dsn is not a PostgreSQL connection string ({one_line(exc)}); "
                                    f"expected {_DSN_EXAMPLE}") from exc
     for port in str(params.get("port", "")).split(","):
-        if port and not port.isdigit():
-            raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a number")
+        if port and not _is_port(port):
+            raise CliError(EXIT_USAGE, f"--dsn has port {port!r}, which is not a port number "
+                                       "(1 to 65535)")
     for option in _INTEGER_OPTIONS:
         value = str(params.get(option, "0")).strip()
         if not re.fullmatch(r"-?\d{1,9}", value):
             raise CliError(EXIT_USAGE, f"--dsn has {option}={value!r}, which is not a whole number")
     return dsn
+
+
+def _is_port(text: str) -> bool:
+    return text.isdigit() and 1 <= int(text) <= 65535
 
 
 #: libpq's connection options that take an integer: a bad one is a usage error,

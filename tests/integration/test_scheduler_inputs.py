@@ -412,6 +412,8 @@ def test_cli_options_out_of_range_exit_2_in_one_line(dsn: str, argv: list[str]) 
     "keepalives=abc",       # before: exit 3, "cannot connect"
     "sslmode=bogus",
     "target_session_attrs=bogus",
+    "port=99999",           # before: exit 3, "cannot connect ... invalid port number"
+    "port=0",
 ])
 def test_a_bad_connection_option_exits_2_in_one_line(dsn: str, command: str, option: str) -> None:
     key = option.split("=")[0]
