@@ -139,3 +139,100 @@ DROP TABLE pgcoord.schedule_pauses;
 ALTER TABLE pgcoord.schedules
     DROP CONSTRAINT schedules_timeout_finite,
     DROP CONSTRAINT schedules_deadline_finite;
+
+-- 0006's schedule_decide and 0003's job_claim, which know no `alone`.
+CREATE OR REPLACE FUNCTION pgcoord.schedule_decide(
+    jobs text[], ats timestamptz[], versions bigint[], acts text[], reasons text[],
+    on_overlaps text[], claim_ms bigint[], job_runner text
+) RETURNS TABLE (job text, slot_at timestamptz, state text, attempt integer)
+    LANGUAGE sql
+    AS $body$
+        -- The schedules decided for, held FOR KEY SHARE until this statement
+        -- commits: a change (schedule_update locks FOR UPDATE) waits for the
+        -- claims made under the old version, and claims wait for the change and
+        -- then see its new version (stale). In name order, as every decide.
+        WITH held AS MATERIALIZED (
+            SELECT s.name, s.version FROM pgcoord.schedules AS s
+            WHERE s.name = ANY (jobs)
+            ORDER BY s.name
+            FOR KEY SHARE
+        ), w AS (
+            SELECT u.job, u.at, u.act, u.reason, u.on_overlap, u.claim_ms,
+                   (s.name IS NOT NULL) AS current
+            FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(ats), pg_catalog.unnest(versions),
+                           pg_catalog.unnest(acts), pg_catalog.unnest(reasons),
+                           pg_catalog.unnest(on_overlaps), pg_catalog.unnest(claim_ms))
+                 AS u(job, at, version, act, reason, on_overlap, claim_ms)
+            LEFT JOIN held AS s ON s.name = u.job AND s.version = u.version
+        ), c AS (
+            SELECT w.*,
+                   (w.act = 'run' AND w.on_overlap <> 'run' AND (
+                       pg_catalog.row_number() OVER (PARTITION BY w.job, w.act ORDER BY w.at) > 1
+                       OR EXISTS (SELECT 1 FROM pgcoord.job_slots AS r
+                                  WHERE r.job = w.job AND r.state = 'running' AND r.slot_at <> w.at)
+                   )) AS overlap
+            FROM w
+            WHERE w.current
+        ), inserted AS (
+            INSERT INTO pgcoord.job_slots AS s
+                (job, slot_at, state, reason, attempt, runner, started_at, claim_expires_at,
+                 finished_at)
+            SELECT c.job, c.at,
+                   CASE WHEN c.act <> 'run' THEN c.act WHEN c.overlap THEN 'skipped' ELSE 'running' END,
+                   CASE WHEN c.act <> 'run' THEN c.reason WHEN c.overlap THEN 'overlap' END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap THEN 1 ELSE 0 END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap THEN job_runner END,
+                   CASE WHEN c.act = 'run' THEN pg_catalog.clock_timestamp() END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap
+                        THEN pg_catalog.clock_timestamp() + c.claim_ms * interval '1 millisecond' END,
+                   CASE WHEN c.act <> 'run' OR c.overlap THEN pg_catalog.clock_timestamp() END
+            FROM c
+            WHERE NOT (c.overlap AND c.on_overlap = 'wait')
+            ORDER BY c.job, c.at
+            ON CONFLICT (job, slot_at) DO NOTHING
+            RETURNING s.job, s.slot_at, s.state, s.reason, s.attempt
+        )
+        SELECT i.job, i.slot_at, i.state, i.attempt FROM inserted AS i
+        WHERE i.state = 'running' OR i.reason = 'overlap'
+        UNION ALL
+        SELECT c.job, c.at, 'waiting', 0 FROM c WHERE c.overlap AND c.on_overlap = 'wait'
+        UNION ALL
+        SELECT w.job, w.at, 'stale', 0 FROM w WHERE NOT w.current
+    $body$;
+
+CREATE OR REPLACE FUNCTION pgcoord.job_claim(
+    job_name text, at timestamptz, job_runner text, claim_ms bigint, on_overlap text,
+    is_manual boolean
+) RETURNS TABLE (state text, attempt integer)
+    LANGUAGE sql
+    AS $body$
+        WITH o AS (
+            SELECT on_overlap <> 'run' AND EXISTS (
+                       SELECT 1 FROM pgcoord.job_slots AS r
+                       WHERE r.job = job_name AND r.state = 'running' AND r.slot_at <> at
+                   ) AS overlap
+        ), claimed AS (
+            INSERT INTO pgcoord.job_slots AS s
+                (job, slot_at, manual, state, reason, attempt, runner, started_at,
+                 claim_expires_at, finished_at)
+            SELECT job_name, at, is_manual,
+                   CASE WHEN o.overlap THEN 'skipped' ELSE 'running' END,
+                   CASE WHEN o.overlap THEN 'overlap' END,
+                   CASE WHEN o.overlap THEN 0 ELSE 1 END,
+                   CASE WHEN o.overlap THEN NULL ELSE job_runner END,
+                   pg_catalog.clock_timestamp(),
+                   CASE WHEN o.overlap THEN NULL
+                        ELSE pg_catalog.clock_timestamp() + claim_ms * interval '1 millisecond' END,
+                   CASE WHEN o.overlap THEN pg_catalog.clock_timestamp() END
+            FROM o
+            WHERE NOT (o.overlap AND on_overlap = 'wait')
+            ON CONFLICT (job, slot_at) DO NOTHING
+            RETURNING s.state, s.attempt
+        )
+        SELECT claimed.state, claimed.attempt FROM claimed
+        UNION ALL
+        SELECT 'waiting', 0 FROM o WHERE o.overlap AND on_overlap = 'wait'
+    $body$;
+
+DROP INDEX pgcoord.job_slots_one_alone;
+ALTER TABLE pgcoord.job_slots DROP COLUMN alone;

@@ -6,6 +6,16 @@
 -- pause overwrote the pair a replica decided them by catch_up (ran or missed
 -- them) instead of skipping them. A slot falls in a pause if it is after
 -- paused_at and (once resumed) not after resumed_at.
+
+-- A job that must not overlap never runs beside itself, whichever replicas claim its
+-- runs at the same moment (a scheduled slot on one, an owed run or a trigger on
+-- another): each statement checks for a run going in its own snapshot, so two of
+-- them could both find none. The unique index decides: a second run of the job
+-- marked `alone` is not written (ON CONFLICT DO NOTHING), and its slot is decided
+-- again at the next tick, when the first is seen going.
+ALTER TABLE pgcoord.job_slots ADD COLUMN alone boolean NOT NULL DEFAULT false;
+CREATE UNIQUE INDEX job_slots_one_alone ON pgcoord.job_slots (job) WHERE state = 'running' AND alone;
+
 CREATE TABLE pgcoord.schedule_pauses (
     name       text NOT NULL REFERENCES pgcoord.schedules (name) ON DELETE CASCADE,
     paused_at  timestamptz NOT NULL,
@@ -200,27 +210,38 @@ CREATE FUNCTION pgcoord.schedule_take_owed(
             ORDER BY x.name, x.at
             FOR UPDATE OF x SKIP LOCKED
         ), picked AS (
-            SELECT l.name, l.at, l.run, l.claim_ms
+            SELECT l.name, l.at, l.run, l.claim_ms, l.overlap_ok
             FROM locked AS l
             WHERE NOT l.run OR l.overlap_ok
                OR (l.at = (SELECT min(k.at) FROM locked AS k WHERE k.name = l.name AND k.run)
                    AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS r
                                    WHERE r.job = l.name AND r.state = 'running'))
+        ), started AS (
+            INSERT INTO pgcoord.job_slots AS s
+                (job, slot_at, manual, state, attempt, runner, started_at, claim_expires_at, alone)
+            SELECT p.name, p.at, o.manual, 'running', 1, job_runner, pg_catalog.clock_timestamp(),
+                   pg_catalog.clock_timestamp() + p.claim_ms * interval '1 millisecond',
+                   NOT p.overlap_ok
+            FROM picked AS p
+            JOIN pgcoord.schedule_owed AS o ON o.name = p.name AND o.at = p.at
+            WHERE p.run
+            ON CONFLICT DO NOTHING
+            RETURNING s.job, s.slot_at, s.attempt, s.manual
         ), taken AS (
+            -- Owed no more: not to run, started, or its slot has a row already. One
+            -- that lost to another run of its job started meanwhile (job_slots_one_alone)
+            -- stays owed, for a later tick.
             DELETE FROM pgcoord.schedule_owed AS o
             USING picked AS p
             WHERE o.name = p.name AND o.at = p.at
-            RETURNING o.name, o.at, o.manual
+              AND (NOT p.run
+                   OR EXISTS (SELECT 1 FROM started AS t WHERE t.job = p.name AND t.slot_at = p.at)
+                   OR EXISTS (SELECT 1 FROM pgcoord.job_slots AS r
+                              WHERE r.job = p.name AND r.slot_at = p.at))
+            RETURNING 1
         )
-        INSERT INTO pgcoord.job_slots AS s
-            (job, slot_at, manual, state, attempt, runner, started_at, claim_expires_at)
-        SELECT t.name, t.at, t.manual, 'running', 1, job_runner, pg_catalog.clock_timestamp(),
-               pg_catalog.clock_timestamp() + p.claim_ms * interval '1 millisecond'
-        FROM taken AS t
-        JOIN picked AS p ON p.name = t.name AND p.at = t.at
-        WHERE p.run
-        ON CONFLICT (job, slot_at) DO NOTHING
-        RETURNING s.job, s.slot_at, s.attempt, s.manual
+        -- (taken runs to completion unread, as every data-modifying WITH does.)
+        SELECT t.job, t.slot_at, t.attempt, t.manual FROM started AS t
     $body$;
 
 -- A duration NaN or infinite passes `CHECK (timeout > 0)` (NaN is greater than every
@@ -230,3 +251,114 @@ CREATE FUNCTION pgcoord.schedule_take_owed(
 ALTER TABLE pgcoord.schedules
     ADD CONSTRAINT schedules_timeout_finite CHECK (timeout < 'Infinity'::double precision) NOT VALID,
     ADD CONSTRAINT schedules_deadline_finite CHECK (deadline < 'Infinity'::double precision) NOT VALID;
+
+
+CREATE OR REPLACE FUNCTION pgcoord.schedule_decide(
+    jobs text[], ats timestamptz[], versions bigint[], acts text[], reasons text[],
+    on_overlaps text[], claim_ms bigint[], job_runner text
+) RETURNS TABLE (job text, slot_at timestamptz, state text, attempt integer)
+    LANGUAGE sql
+    AS $body$
+        -- The schedules decided for, held FOR KEY SHARE until this statement
+        -- commits: a change (schedule_update locks FOR UPDATE) waits for the
+        -- claims made under the old version, and claims wait for the change and
+        -- then see its new version (stale). In name order, as every decide.
+        WITH held AS MATERIALIZED (
+            SELECT s.name, s.version FROM pgcoord.schedules AS s
+            WHERE s.name = ANY (jobs)
+            ORDER BY s.name
+            FOR KEY SHARE
+        ), w AS (
+            SELECT u.job, u.at, u.act, u.reason, u.on_overlap, u.claim_ms,
+                   (s.name IS NOT NULL) AS current
+            FROM ROWS FROM (pg_catalog.unnest(jobs), pg_catalog.unnest(ats), pg_catalog.unnest(versions),
+                           pg_catalog.unnest(acts), pg_catalog.unnest(reasons),
+                           pg_catalog.unnest(on_overlaps), pg_catalog.unnest(claim_ms))
+                 AS u(job, at, version, act, reason, on_overlap, claim_ms)
+            LEFT JOIN held AS s ON s.name = u.job AND s.version = u.version
+        ), c AS (
+            SELECT w.*,
+                   (w.act = 'run' AND w.on_overlap <> 'run' AND (
+                       pg_catalog.row_number() OVER (PARTITION BY w.job, w.act ORDER BY w.at) > 1
+                       OR EXISTS (SELECT 1 FROM pgcoord.job_slots AS r
+                                  WHERE r.job = w.job AND r.state = 'running' AND r.slot_at <> w.at)
+                   )) AS overlap
+            FROM w
+            WHERE w.current
+        ), inserted AS (
+            INSERT INTO pgcoord.job_slots AS s
+                (job, slot_at, state, reason, attempt, runner, started_at, claim_expires_at,
+                 finished_at, alone)
+            SELECT c.job, c.at,
+                   CASE WHEN c.act <> 'run' THEN c.act WHEN c.overlap THEN 'skipped' ELSE 'running' END,
+                   CASE WHEN c.act <> 'run' THEN c.reason WHEN c.overlap THEN 'overlap' END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap THEN 1 ELSE 0 END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap THEN job_runner END,
+                   CASE WHEN c.act = 'run' THEN pg_catalog.clock_timestamp() END,
+                   CASE WHEN c.act = 'run' AND NOT c.overlap
+                        THEN pg_catalog.clock_timestamp() + c.claim_ms * interval '1 millisecond' END,
+                   CASE WHEN c.act <> 'run' OR c.overlap THEN pg_catalog.clock_timestamp() END,
+                   (c.act = 'run' AND NOT c.overlap AND c.on_overlap <> 'run')
+            FROM c
+            WHERE NOT (c.overlap AND c.on_overlap = 'wait')
+            ORDER BY c.job, c.at
+            ON CONFLICT DO NOTHING
+            RETURNING s.job, s.slot_at, s.state, s.reason, s.attempt
+        )
+        SELECT i.job, i.slot_at, i.state, i.attempt FROM inserted AS i
+        WHERE i.state = 'running' OR i.reason = 'overlap'
+        UNION ALL
+        SELECT c.job, c.at, 'waiting', 0 FROM c WHERE c.overlap AND c.on_overlap = 'wait'
+        UNION ALL
+        -- Not written, and this slot has no row we can see: another run of the job
+        -- started meanwhile (job_slots_one_alone). Decided again at the next tick,
+        -- as a slot that waits, when that run is seen going.
+        SELECT c.job, c.at, 'waiting', 0 FROM c
+        WHERE c.act = 'run' AND NOT c.overlap AND c.on_overlap <> 'run'
+          AND NOT EXISTS (SELECT 1 FROM inserted AS i WHERE i.job = c.job AND i.slot_at = c.at)
+          AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS r WHERE r.job = c.job AND r.slot_at = c.at)
+        UNION ALL
+        SELECT w.job, w.at, 'stale', 0 FROM w WHERE NOT w.current
+    $body$;
+
+CREATE OR REPLACE FUNCTION pgcoord.job_claim(
+    job_name text, at timestamptz, job_runner text, claim_ms bigint, on_overlap text,
+    is_manual boolean
+) RETURNS TABLE (state text, attempt integer)
+    LANGUAGE sql
+    AS $body$
+        WITH o AS (
+            SELECT on_overlap <> 'run' AND EXISTS (
+                       SELECT 1 FROM pgcoord.job_slots AS r
+                       WHERE r.job = job_name AND r.state = 'running' AND r.slot_at <> at
+                   ) AS overlap
+        ), claimed AS (
+            INSERT INTO pgcoord.job_slots AS s
+                (job, slot_at, manual, state, reason, attempt, runner, started_at,
+                 claim_expires_at, finished_at, alone)
+            SELECT job_name, at, is_manual,
+                   CASE WHEN o.overlap THEN 'skipped' ELSE 'running' END,
+                   CASE WHEN o.overlap THEN 'overlap' END,
+                   CASE WHEN o.overlap THEN 0 ELSE 1 END,
+                   CASE WHEN o.overlap THEN NULL ELSE job_runner END,
+                   pg_catalog.clock_timestamp(),
+                   CASE WHEN o.overlap THEN NULL
+                        ELSE pg_catalog.clock_timestamp() + claim_ms * interval '1 millisecond' END,
+                   CASE WHEN o.overlap THEN pg_catalog.clock_timestamp() END,
+                   (NOT o.overlap AND on_overlap <> 'run')
+            FROM o
+            WHERE NOT (o.overlap AND on_overlap = 'wait')
+            ON CONFLICT DO NOTHING
+            RETURNING s.state, s.attempt
+        )
+        SELECT claimed.state, claimed.attempt FROM claimed
+        UNION ALL
+        SELECT 'waiting', 0 FROM o WHERE o.overlap AND on_overlap = 'wait'
+        UNION ALL
+        -- Not written, and this slot has no row we can see: another run of the job
+        -- started meanwhile (job_slots_one_alone). Wait for it, as for an overlap.
+        SELECT 'waiting', 0 FROM o
+        WHERE NOT o.overlap AND on_overlap <> 'run' AND NOT EXISTS (SELECT 1 FROM claimed)
+          AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS r
+                          WHERE r.job = job_name AND r.slot_at = at)
+    $body$;

@@ -74,7 +74,8 @@ class Scheduler:
     replica runs only the schedules whose function it has; the others it leaves
     to replicas that have it. Changes reach a running replica at its next tick
     (at most ``tick`` seconds: each tick reads a change counter), and at once
-    with a ``member=`` (NOTIFY on channel ``pgcoord_schedules``).
+    with a ``member=`` and a tick longer than a second (NOTIFY on channel
+    ``pgcoord_schedules``).
     """
 
     def __init__(
@@ -260,14 +261,14 @@ class Scheduler:
         async def own_joined(member: Member) -> None:
             link = MemberLink(member, self._runs, self._store, self._wake, self._recover_soon)
             own_unhook.append(link.hook())
-            await link.listen()
+            await link.listen(self._max_sleep)
 
         declaring: asyncio.Task[None] | None = None
         try:
             if self._own is not None:
                 await self._own.open(own_joined)
             declaring = await self._register()
-            await self._member_link.listen()
+            await self._member_link.listen(self._max_sleep)
             failures = 0
             while not self._draining:
                 self._wake.clear()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core.aio import Supervisor
+from . import schedules as _schedules
 from .runs import Runs
 from .store import Store
 
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pgcoord.scheduler")
 
+
+#: A scheduler on a member whose tick is longer than this (seconds) listens for
+#: schedule changes; one that ticks this often finds them by its change counter.
+LISTEN_ABOVE = 1.0
 
 class MemberLink:
     """The scheduler's hooks on ``member`` (none without one), from ``hook()`` to the
@@ -72,12 +77,27 @@ class MemberLink:
 
         return unhook
 
-    async def listen(self) -> None:
-        """Schedule changes are found by the tick's change counter (at most ``tick``
-        seconds), with a member or without: a LISTEN on the member's session would
-        be signalled by every NOTIFY in the database, a tax on the application's own
-        NOTIFY traffic that grows with the fleet (docs/members.md)."""
-        return
+    async def listen(self, tick: float) -> None:
+        """With a member and a tick longer than ``LISTEN_ABOVE``, hear of schedule
+        changes at once (NOTIFY on its session). Otherwise the tick's change counter
+        finds them within ``tick``: a LISTEN on the member's session is signalled by
+        every NOTIFY in the database, a tax on the application's own NOTIFY traffic
+        that grows with the fleet (docs/members.md), not worth paying to hear a
+        change sooner than within a second."""
+        member = self._member
+        if member is None or tick <= LISTEN_ABOVE:
+            return
+
+        def changed(_payload: str) -> None:
+            # Tick now. The tick reads the change counter (committed before the
+            # notification is delivered) and reloads only if it moved: a run owed
+            # (payload 'owed') or a change already seen loads nothing.
+            self._wake.set()
+
+        try:
+            self._unlisten = await member.listen(_schedules.SCHEDULES_CHANNEL, changed)
+        except Exception as exc:  # the counter still finds every change
+            log.warning("scheduler: cannot LISTEN for schedule changes, polling only: %r", exc)
 
     async def _wake_when_rejoined(self, member: Member, old_id: int) -> None:
         while True:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -403,3 +404,42 @@ async def test_a_changed_expression_in_code_decides_the_old_slots_due_before_it(
     late = [r for r in scheduled if r[2] == "changed"]
     assert len(late) >= 1 and {r[1] for r in late} == {"missed"}
     assert scheduled[-1][1] == "succeeded"
+
+
+@pytest.mark.parametrize("second", ["trigger", "decide"])
+def test_two_runs_of_a_job_that_must_not_overlap_claimed_at_once_never_both_run(
+        dsn: str, second: str) -> None:
+    """Two replicas claim runs of one job at the same moment: each statement looks for
+    a run going in its own snapshot, and neither sees the other's. Before: both ran.
+    Now the second waits for the first (job_slots_one_alone) and does not run."""
+    import threading
+
+    job = unique("alone-race")
+    sql(dsn, "select pgcoord.schedule_add(%s, 'h', '* * * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
+    version = sql(dsn, "select version from pgcoord.schedules where name = %s", job)[0][0]
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn, autocommit=True) as other:
+        first.execute("select * from pgcoord.job_claim(%s, clock_timestamp(), 'first', 30000, 'skip', true)",
+                      (job,))
+        got: list[object] = []
+
+        def claim() -> None:
+            if second == "trigger":
+                got.extend(other.execute(
+                    "select * from pgcoord.job_claim(%s, clock_timestamp(), 'other', 30000, 'skip', true)",
+                    (job,)).fetchall())
+            else:
+                got.extend(other.execute(
+                    "select * from pgcoord.schedule_decide(array[%s], array[date_trunc('minute', now())],"
+                    " array[%s::bigint], array['run'], array[NULL::text], array['skip'], array[30000::bigint],"
+                    " 'other')", (job, version)).fetchall())
+
+        thread = threading.Thread(target=claim)
+        thread.start()
+        time.sleep(0.5)  # the other claim waits on the first's uncommitted run
+        first.commit()
+        thread.join(10)
+        assert not thread.is_alive()
+    assert sql(dsn, "select count(*) from pgcoord.job_slots where job = %s and state = 'running'",
+               job) == [(1,)]
+    # The second is told to wait (its slot is decided again once the first is seen).
+    assert [row[2 if second == "decide" else 0] for row in got] == ["waiting"], got  # type: ignore[index]
