@@ -40,6 +40,19 @@ def seconds(value: Any, what: str, *, allow_none: bool = False, minimum: float =
     return float(value)
 
 
+def duration(value: Any, what: str, *, minimum: float, maximum: float, why: str = "") -> float:
+    """``value`` as a float of seconds in [minimum, maximum]: ``TypeError`` if it is
+    not a number, ``ValueError`` if NaN, infinite or out of range (``why`` says where
+    the maximum comes from)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{what} must be at least {minimum:g} s, got {value}")
+    if value > maximum:
+        raise ValueError(f"{what} must be at most {maximum:.0f} s{why}, got {value}")
+    return float(value)
+
+
 def text(value: Any, what: str, *, max_bytes: int | None = NAME_MAX_BYTES,
          empty: bool = False) -> str:
     """``value`` if it is a str PostgreSQL can store: no NUL character (text refuses

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import socket
 import uuid
@@ -14,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._core import errmap as _errmap
-from .._core.checks import SECONDS_MAX, text
+from .._core.checks import SECONDS_MAX, duration, text
 from .._drivers import autocommit_retrying, release_async, tx_session_async
 from .._drivers.adapt import is_pool_timeout
 from .._drivers.capacity import pool_capacity
@@ -42,13 +41,8 @@ def default_holder() -> str:
 
 
 def validate_ttl(ttl: Any) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl < 0.1:
-        raise ValueError(f"ttl must be at least 0.1 s, got {ttl}")
-    if ttl > SECONDS_MAX:  # the lease's expiry is the database clock plus ttl
-        raise ValueError(f"ttl must be at most {SECONDS_MAX:.0f} s, got {ttl}")
-    return float(ttl)
+    # The lease's expiry is the database clock plus ttl.
+    return duration(ttl, "ttl", minimum=0.1, maximum=SECONDS_MAX)
 
 
 def validate_name(name: Any) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
 import socket
 import uuid
@@ -13,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._core.checks import KEEPALIVE_MAX, no_nul, text
+from .._core.checks import KEEPALIVE_MAX, duration, no_nul, text
 from ..errors import PgcoordError
 
 
@@ -66,13 +65,9 @@ def _validate(group: Any, name: Any, meta: Any, ttl: Any) -> tuple[str, str, str
     except (TypeError, ValueError) as exc:
         raise TypeError(f"meta must be JSON-serialisable: {exc}") from None
     no_nul(meta, "meta")
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl < 1.0:
-        raise ValueError(f"ttl must be at least 1 s, got {ttl}")
-    if ttl > KEEPALIVE_MAX:  # the session's TCP keepalive and tcp_user_timeout come from it
-        raise ValueError(f"ttl must be at most {KEEPALIVE_MAX:.0f} s, got {ttl}")
-    return group, name, meta_json, float(ttl)
+    # The session's TCP keepalive and tcp_user_timeout come from the ttl.
+    ttl = duration(ttl, "ttl", minimum=1.0, maximum=KEEPALIVE_MAX, why=" (its tcp_user_timeout)")
+    return group, name, meta_json, ttl
 
 
 def _info(row: dict[str, Any]) -> MemberInfo:
