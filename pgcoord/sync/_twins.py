@@ -29,7 +29,7 @@ class _Twin:
 
     # Parts of the async API that hand out loop-bound objects or run callbacks on the
     # portal's loop: not for sync code.
-    _NOT_SYNC = frozenset({"session", "listen", "on_member_left", "on_session_lost"})
+    _NOT_SYNC = frozenset({"session", "listen", "on_member_left", "on_session_lost", "stand"})
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
