@@ -42,6 +42,10 @@ class Channels:
 
         return remove
 
+    def registered(self) -> dict[str, int]:
+        """How many callbacks each channel has (for tests and debugging)."""
+        return {channel: len(callbacks) for channel, callbacks in self._callbacks.items()}
+
     def wanted(self) -> bool:
         """Whether any feature listens (besides membership news)."""
         return any(self._callbacks.values())

@@ -199,7 +199,7 @@ async def test_partitions_run_started_as_the_server_stops_goes_on_and_leaves_not
     dsn = own_server.dsn
     name = f"parts-stopped-{uuid.uuid4().hex[:6]}"
     async with pgcoord.Member(dsn, group=unique("g"), ttl=30) as m:
-        channels_before = {ch: len(cbs) for ch, cbs in m._channels.items()}
+        channels_before = m._channels.registered()
         parts = pgcoord.Partitions(m, name, count=4)
         owned: set[int] = set()
 
@@ -218,7 +218,7 @@ async def test_partitions_run_started_as_the_server_stops_goes_on_and_leaves_not
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
-        assert {ch: len(cbs) for ch, cbs in m._channels.items() if cbs or ch in channels_before} == {
+        assert {ch: n for ch, n in m._channels.registered().items() if n or ch in channels_before} == {
             ch: n for ch, n in channels_before.items()}
 
 
