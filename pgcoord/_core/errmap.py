@@ -106,10 +106,17 @@ def as_schema_missing(exc: BaseException) -> BaseException:
     return exc
 
 
+# The server's FATAL message for it (PostgreSQL 14+), which older psycopg versions
+# report only as text, in an OperationalError with no SQLSTATE ("consuming input
+# failed: terminating connection due to idle-session timeout").
+_IDLE_SESSION_MESSAGE = "terminating connection due to idle-session timeout"
+
+
 def ended_while_idle(exc: BaseException) -> bool:
     """The server had ended the session for its idle_session_timeout before this
     statement was sent (a pool's idle connection): the statement never ran."""
-    return sqlstate(exc) == SQLSTATE_IDLE_SESSION_TIMEOUT
+    code = sqlstate(exc)
+    return code == SQLSTATE_IDLE_SESSION_TIMEOUT or (code is None and _IDLE_SESSION_MESSAGE in str(exc))
 
 
 def serialization_failure(exc: BaseException) -> bool:
