@@ -154,6 +154,8 @@ async def test_watch_sees_every_change_of_leader(dsn: str) -> None:
         await until(lambda: len(leaders(reps)) == 1 and leaders(reps)[0].terms, 10)
         watcher = next(r for r in reps if not r.elector.is_leader)
         changes = watcher.elector.watch()
+        # An elector on a member listens only while watched: from a round trip on.
+        await until(lambda: "pgcoord_leases" in watcher.member._listening, 5)
         old = leaders(reps)[0]
         fence = old.terms[-1]
         await old.elector.stop()
