@@ -163,3 +163,138 @@ LEFT JOIN pgcoord.leases AS l ON l.name = t.name AND l.fence = t.fence AND l.hol
 
 COMMENT ON VIEW pgcoord.lease_history IS
     'pgcoord: pgcoord.lease_terms with the end of a term that ran out unrecorded (expired, not yet taken over).';
+
+
+-- Names everywhere (issue 24): every lock pgcoord.holders shows carries its name.
+--
+-- The session locks pgcoord keeps for a lease (the holder's doorbell, the
+-- candidates' candidacy lock on a member's watcher session) are named once per
+-- lease name, when its row is made: rows are never deleted, so this runs once per
+-- name ever, and never on a takeover. Partitions' parts are lease rows too.
+CREATE FUNCTION pgcoord.lease_names_record() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+BEGIN
+    INSERT INTO pgcoord.lock_names AS n (key, name)
+    VALUES (pgcoord.lease_doorbell_key(NEW.name), 'pgcoord.elector:' || NEW.name),
+           (pgcoord.lock_key('pgcoord.candidate:' || NEW.name), 'pgcoord.candidate:' || NEW.name)
+    ON CONFLICT (key) DO NOTHING;
+    RETURN NULL;
+END
+$body$;
+
+CREATE TRIGGER lease_names_recorded AFTER INSERT ON pgcoord.leases
+    FOR EACH ROW EXECUTE FUNCTION pgcoord.lease_names_record();
+
+INSERT INTO pgcoord.lock_names (key, name)
+SELECT pgcoord.lock_key(x.name), x.name
+FROM (SELECT 'pgcoord.elector:' || l.name AS name FROM pgcoord.leases AS l
+      UNION ALL
+      SELECT 'pgcoord.candidate:' || l.name FROM pgcoord.leases AS l
+      UNION ALL
+      SELECT 'pgcoord.migrate') AS x
+ON CONFLICT (key) DO NOTHING;
+
+-- The view names the rest: a transactional job's lock and a member's alive lock.
+CREATE OR REPLACE VIEW pgcoord.holders AS
+WITH sem AS MATERIALIZED (
+    -- Registered semaphore keys as pg_locks shows them (classid is an unsigned
+    -- oid); names that collide on a key are listed together.
+    SELECT (s.key::bigint & 4294967295)::oid AS classid, s.key,
+           pg_catalog.string_agg(s.name, ' | ' ORDER BY s.name) AS name
+    FROM pgcoord.semaphores AS s
+    GROUP BY s.key
+), jobkeys AS MATERIALIZED (
+    -- A transactional job's run holds the transaction lock 'pgcoord.job:' || Slot.key
+    -- (pgcoord/scheduler/runner.py), a key never recorded (one per slot, without
+    -- bound): named here from the running slots, the only ones that can hold it.
+    SELECT pgcoord.lock_key(r.name) AS key, r.name
+    FROM (SELECT 'pgcoord.job:' || j.job || '@'
+                 || pg_catalog.to_char(j.slot_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS')
+                 || CASE WHEN pg_catalog.date_trunc('second', j.slot_at) <> j.slot_at
+                         THEN '.' || pg_catalog.to_char(j.slot_at AT TIME ZONE 'UTC', 'US') ELSE '' END
+                 || 'Z' AS name
+          FROM pgcoord.job_slots AS j WHERE j.state = 'running') AS r
+)
+SELECT
+    'advisory'::text                                   AS kind,
+    -- A recorded name (pgcoord.lock_names), a running job's lock, or a member's
+    -- alive lock (member_alive_ns(), id): 'pgcoord.member:<group>/<name>'.
+    coalesce(n.name, jk.name, 'pgcoord.member:' || mv."group" || '/' || mv.name) AS name,
+    k.key                                              AS key,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text) AS holder,
+    l.pid                                              AS pid,
+    a.application_name                                 AS application_name,
+    a.client_addr                                      AS client_addr,
+    l.granted                                          AS granted,
+    CASE WHEN l.granted THEN coalesce(a.xact_start, a.backend_start)
+         ELSE l.waitstart END                          AS since,
+    NULL::timestamptz                                  AS expires_at,
+    NULL::bigint                                       AS fence,
+    CASE WHEN l.granted THEN NULL::integer[]
+         ELSE pg_catalog.pg_blocking_pids(l.pid) END   AS blocked_by,
+    (l.mode = 'ShareLock')                             AS shared,
+    (a.pid IS NOT NULL)                                AS session_alive,
+    ms.name                                            AS member,
+    NULL::integer                                      AS lane
+FROM pg_catalog.pg_locks AS l
+CROSS JOIN LATERAL (
+    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+) AS k
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.lock_names AS n ON n.key = k.key AND l.objsubid = 1
+LEFT JOIN jobkeys AS jk ON jk.key = k.key AND l.objsubid = 1 AND n.key IS NULL
+LEFT JOIN pgcoord.member_sessions AS mv
+       ON l.objsubid = 2 AND l.classid = 1885823853::oid AND mv.id::bigint = l.objid::bigint
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+  AND NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
+UNION ALL
+-- A granted lane is a holder; the waiting room (lane -1) holds the waiters,
+-- shown as not granted, with `since` NULL (see 0005).
+SELECT
+    'semaphore'::text, sem.name, sem.key::bigint,
+    coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text), l.pid,
+    a.application_name, a.client_addr,
+    (l.objid <> 4294967295::oid),
+    CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start) END,
+    NULL::timestamptz, NULL::bigint, NULL::integer[], false, (a.pid IS NOT NULL), ms.name,
+    CASE WHEN l.objid <> 4294967295::oid THEN l.objid::bigint::integer END
+FROM pg_catalog.pg_locks AS l
+JOIN sem ON sem.classid = l.classid
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
+WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                    WHERE d.datname = pg_catalog.current_database())
+UNION ALL
+-- A session of another server incarnation cannot be looked up here: it is
+-- neither alive nor dead (NULL), and its pid may be an unrelated session's.
+SELECT
+    'lease'::text, s.name, NULL::bigint, s.holder, s.holder_pid, a.application_name,
+    a.client_addr, true, s.acquired_at, s.expires_at, s.fence, NULL::integer[], false,
+    CASE WHEN s.holder_pid IS NULL OR NOT here.here THEN NULL
+         ELSE pgcoord.lease_session_alive(s.name, s.holder_pid, s.holder_server) END,
+    ms.name, NULL::integer
+FROM pgcoord.leases AS s
+CROSS JOIN LATERAL (
+    SELECT s.holder_server IS NULL OR s.holder_server = pgcoord.server_incarnation() AS here
+) AS here
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON here.here AND a.pid = s.holder_pid
+LEFT JOIN pgcoord.member_sessions AS ms ON here.here AND ms.pid = s.holder_pid AND ms.left_at IS NULL
+WHERE s.holder IS NOT NULL AND s.expires_at > pg_catalog.clock_timestamp()
+UNION ALL
+SELECT
+    'job'::text, j.job || ' @ ' || pg_catalog.to_char(j.slot_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'),
+    NULL::bigint, j.runner, NULL::integer, NULL::text, NULL::inet, true, j.started_at,
+    j.claim_expires_at, j.attempt::bigint, NULL::integer[], false,
+    (j.claim_expires_at > pg_catalog.clock_timestamp()),
+    ms.name, NULL::integer
+FROM pgcoord.job_slots AS j
+LEFT JOIN pgcoord.member_sessions AS ms
+       ON j.runner = ms.name || '/' || ms.id::text AND ms.left_at IS NULL
+WHERE j.state = 'running';
+
