@@ -58,9 +58,16 @@ CREATE FUNCTION pgcoord.lease_terms_kept() RETURNS integer
 --                  never does this itself; pgcoord.testing.take_lease and SQL
 --                  written by hand do.
 -- The session is looked up (pg_locks) only in the last case, where the takeover
--- itself has just looked it up: an expired takeover reads no pg_locks here.
+-- itself has just looked it up: an expired takeover reads no pg_locks here. A term
+-- ended by a takeover ends when the new one began (its acquired_at).
+--
+-- SECURITY DEFINER (as the owner of the schema, with search_path pinned): the
+-- record is pgcoord's own bookkeeping, so a role that may take a lease needs no
+-- grant on lease_terms, and a database upgraded to 0009 without running roles.sql
+-- again keeps taking leases.
 CREATE FUNCTION pgcoord.lease_terms_record() RETURNS trigger
     LANGUAGE plpgsql
+    SECURITY DEFINER
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
 DECLARE
@@ -88,10 +95,12 @@ BEGIN
         ELSIF OLD.holder_pid IS NOT NULL
               AND NOT pgcoord.lease_session_alive(OLD.name, OLD.holder_pid, OLD.holder_server) THEN
             how := 'session_ended';
-            ended := now_;
         ELSE
             how := 'taken_over';
-            ended := now_;
+        END IF;
+        IF ended IS NULL THEN
+            -- Ended by the takeover itself: when the new term began.
+            ended := LEAST(NEW.acquired_at, now_);
         END IF;
         UPDATE pgcoord.lease_terms AS t
            SET ended_at = ended, ended_how = how, resign_requested_at = OLD.resign_requested_at
@@ -130,6 +139,7 @@ CREATE TRIGGER lease_terms_changed AFTER UPDATE ON pgcoord.leases
 -- by hand takes its history with it, so the record never outgrows pgcoord.leases.
 CREATE FUNCTION pgcoord.lease_terms_forget() RETURNS trigger
     LANGUAGE plpgsql
+    SECURITY DEFINER
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
 BEGIN
@@ -173,6 +183,7 @@ COMMENT ON VIEW pgcoord.lease_history IS
 -- name ever, and never on a takeover. Partitions' parts are lease rows too.
 CREATE FUNCTION pgcoord.lease_names_record() RETURNS trigger
     LANGUAGE plpgsql
+    SECURITY DEFINER
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
 BEGIN

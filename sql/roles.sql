@@ -10,9 +10,8 @@
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_service;
 GRANT SELECT, INSERT ON pgcoord.lock_names TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE ON pgcoord.leases TO pgcoord_service;
--- The history of leadership is written by triggers on pgcoord.leases, as the caller:
--- a term started, ended, and the oldest one of its name pruned (migration 0009).
-GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.lease_terms TO pgcoord_service;
+-- The history of leadership (pgcoord.lease_terms, migration 0009) is written by
+-- triggers on pgcoord.leases that run as the schema's owner: no grant needed.
 GRANT SELECT, INSERT, UPDATE ON pgcoord.jobs TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.job_slots TO pgcoord_service;
 GRANT SELECT ON pgcoord.holders TO pgcoord_service;
