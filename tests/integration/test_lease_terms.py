@@ -241,32 +241,39 @@ async def test_a_partition_part_records_terms_too(dsn: str) -> None:
 
 
 def test_retention_keeps_the_last_terms_of_each_name(dsn: str) -> None:
+    """The last `kept` fences of each name, pruned every 8th fence: never fewer than
+    kept, never more than kept + 7."""
     name, other = unique("terms-kept"), unique("terms-other")
+    counts = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("select pgcoord.lease_acquire(%s, 'x', 60000, null)", (other,))
         conn.execute("set pgcoord.lease_terms_kept = 5")
-        for i in range(1, 13):
+        for i in range(1, 17):
             conn.execute("select pgcoord.lease_acquire(%s, %s, 60000, null)", (name, f"h{i}"))
             conn.execute("select pgcoord.lease_release(%s, %s, %s)", (name, f"h{i}", i))
+            [(count,)] = conn.execute("select count(*) from pgcoord.lease_terms where name = %s",
+                                      (name,)).fetchall()
+            counts.append(count)
         assert conn.execute("select pgcoord.lease_terms_kept()").fetchone() == (5,)
         conn.execute("set pgcoord.lease_terms_kept = 'not a number'")  # never fails a takeover
-        conn.execute("select pgcoord.lease_acquire(%s, 'h13', 60000, null)", (name,))
+        conn.execute("select pgcoord.lease_acquire(%s, 'h17', 60000, null)", (name,))
         assert conn.execute("select pgcoord.lease_terms_kept()").fetchone() == (50,)
+    assert counts == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12, 5]
     kept = sql(dsn, "select fence, holder from pgcoord.lease_terms where name = %s order by fence", name)
-    assert kept == [(f, f"h{f}") for f in range(8, 14)]  # 5 kept at fence 12, then 50
+    assert kept == [(f, f"h{f}") for f in range(12, 18)]
     assert len(terms(dsn, other)) == 1  # other names keep theirs
 
 
 def test_the_default_keeps_fifty_and_zero_records_nothing(dsn: str) -> None:
     name, off = unique("terms-fifty"), unique("terms-off")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for i in range(1, 61):
+        for i in range(1, 65):
             conn.execute("select pgcoord.lease_acquire(%s, 'h', 60000, null)", (name,))
             conn.execute("select pgcoord.lease_release(%s, 'h', %s)", (name, i))
         conn.execute("set pgcoord.lease_terms_kept = 0")
         conn.execute("select pgcoord.lease_acquire(%s, 'h', 60000, null)", (off,))
     assert sql(dsn, "select min(fence), max(fence), count(*) from pgcoord.lease_terms"
-                    " where name = %s", name) == [(11, 60, 50)]
+                    " where name = %s", name) == [(15, 64, 50)]
     assert terms(dsn, off) == []
 
 
