@@ -232,6 +232,27 @@ FROM (SELECT 'pgcoord.elector:' || l.name AS name FROM pgcoord.leases AS l
       SELECT 'pgcoord.migrate') AS x
 ON CONFLICT (key) DO NOTHING;
 
+-- A member taking part in partitions names its participation lock
+-- 'pgcoord.partitions:<name>:<member id>' (sql/partition_queries.sql,
+-- partition_join): one name per member and partitions, forgotten here when the
+-- member's row goes (its tombstone is deleted a minute after it left), so that
+-- pgcoord.lock_names does not grow with every process ever started.
+CREATE FUNCTION pgcoord.member_names_forget() RETURNS trigger
+    LANGUAGE plpgsql
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+BEGIN
+    DELETE FROM pgcoord.lock_names AS n
+     WHERE pg_catalog.starts_with(n.name, 'pgcoord.partitions:')
+       AND n.name ~ (':' || OLD.id::text || '$');
+    RETURN NULL;
+END
+$body$;
+
+CREATE TRIGGER member_names_forgotten AFTER DELETE ON pgcoord.member_sessions
+    FOR EACH ROW EXECUTE FUNCTION pgcoord.member_names_forget();
+
 -- The view names the rest: a transactional job's lock and a member's alive lock.
 CREATE OR REPLACE VIEW pgcoord.holders AS
 WITH sem AS MATERIALIZED (

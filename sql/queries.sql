@@ -69,7 +69,7 @@ INSERT INTO pgcoord.lock_names (key, name) VALUES ($1, $2) ON CONFLICT (key) DO 
 
 -- name: holders_list
 SELECT kind, name, key, holder, pid, application_name, client_addr::text AS client_addr,
-       granted, since, expires_at, fence, blocked_by, session_alive,
+       granted, since, expires_at, fence, blocked_by, session_alive, member, lane,
        extract(epoch FROM pg_catalog.now() - since)::float8 AS age_seconds,
        extract(epoch FROM expires_at - pg_catalog.now())::float8 AS expires_in_seconds
 FROM pgcoord.holders
