@@ -100,7 +100,7 @@ async def _record_name(main: Carrier, request: LockRequest) -> None:
     a missing grant or a busy row leave the lock unnamed, never refused. Tried once
     per key and process."""
     try:
-        await main.call(query("lock_names_record"), request.key, request.name)
+        await main.call(query("lock_names_record_row"), request.key, request.name)
     except Exception as exc:
         if main.lost:
             raise  # the session is gone: the caller tries the lock on a new one
