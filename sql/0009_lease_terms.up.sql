@@ -55,7 +55,7 @@ CREATE FUNCTION pgcoord.lease_terms_kept() RETURNS integer
 --                  died, its connection was cut, its member died;
 --   taken_over     a new fence while the term was still valid by its own rules
 --                  (unexpired, its session alive or none tied to it): pgcoord
---                  never does this itself; pgcoord.testing.take_lease and SQL
+--                  never does this itself; pgcoord.testing.take_leadership and SQL
 --                  written by hand do.
 -- The session is looked up only for a takeover before the expiry, and in pg_locks
 -- only when its backend still exists: an expired takeover reads neither. A term

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import asyncpg
@@ -20,8 +21,9 @@ import pytest
 import pgcoord
 import pgcoord.migrations
 import pgcoord.testing
+from pgcoord._core.resources import read_sql
 
-from .conftest import advisory_locks, sql, unique
+from .conftest import Server, advisory_locks, sql, unique
 
 # A child that leads `name` on its own session (an Elector(dsn)) or on a Member's,
 # prints LEAD <fence> and <pid of the session holding the lease>, then waits to die.
@@ -329,3 +331,38 @@ def test_every_function_0009_makes_pins_its_search_path(dsn: str) -> None:
     assert len(rows) == 4
     for proname, config in rows:
         assert config == ["search_path=pg_catalog, pgcoord, pg_temp"], proname
+
+
+def test_a_service_role_records_terms_without_a_grant_and_operators_read_them(
+        pg_server: Server, fresh_db: str) -> None:
+    """The triggers run as the schema's owner: roles.sql's service role takes and
+    releases a lease (recorded, with lock names) holding no grant on lease_terms; the
+    operator role reads the history and cannot write it."""
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+    base = fresh_db.replace("postgres@", "{}@")
+    try:
+        with psycopg.connect(base.format(service), autocommit=True) as svc:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                svc.execute("select * from pgcoord.lease_terms")
+            svc.execute("select pgcoord.lease_acquire('roles:terms', 's', 60000, null)")
+            svc.execute("select pgcoord.lease_release('roles:terms', 's', 1)")
+        with psycopg.connect(base.format(operator), autocommit=True) as ops:
+            assert ops.execute("select holder, ended_how from pgcoord.lease_history"
+                               " where name = 'roles:terms'").fetchall() == [("s", "released")]
+            assert ops.execute("select count(*) from pgcoord.lease_terms").fetchone() == (1,)
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ops.execute("delete from pgcoord.lease_terms")
+        assert sql(fresh_db, "select name from pgcoord.lock_names where name like %s order by name",
+                   "%roles:terms") == [("pgcoord.candidate:roles:terms",), ("pgcoord.elector:roles:terms",)]
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
