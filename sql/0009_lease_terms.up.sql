@@ -119,28 +119,29 @@ BEGIN
         END IF;
     END IF;
     IF NEW.holder IS NOT NULL AND (TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence) THEN
-        -- One statement ends the old term, starts the new one and prunes: one trip
-        -- through the executor instead of three. A fence is reused only when the
-        -- row was deleted and made again: the new term replaces the forgotten one.
-        -- Retention: the last `kept` fences of this name (fences grow by one per
-        -- term), pruned every 8th fence, 8 terms at a time (an index range on the
-        -- primary key), so a name holds at most kept + 7 terms.
-        WITH closed AS (
+        -- Simple statements, each planned once per session (plpgsql's generic
+        -- plans): one statement of data-modifying CTEs would be planned again at
+        -- every call, its cost depending on whether this call prunes.
+        IF end_fence IS NOT NULL THEN
             UPDATE pgcoord.lease_terms AS t
                SET ended_at = ended, ended_how = how, resign_requested_at = resign
-             WHERE end_fence IS NOT NULL AND t.name = NEW.name AND t.fence = end_fence
-               AND t.ended_at IS NULL
-        ), pruned AS (
-            DELETE FROM pgcoord.lease_terms AS t
-             WHERE pg_catalog.mod(NEW.fence, 8) = 0
-               AND t.name = NEW.name AND t.fence <= NEW.fence - kept
-        )
+             WHERE t.name = NEW.name AND t.fence = end_fence AND t.ended_at IS NULL;
+        END IF;
+        -- A fence is reused only when the row was deleted and made again: the new
+        -- term replaces the forgotten one.
         INSERT INTO pgcoord.lease_terms AS t (name, fence, holder, holder_pid, started_at)
         VALUES (NEW.name, NEW.fence, NEW.holder, NEW.holder_pid, coalesce(NEW.acquired_at, now_))
         ON CONFLICT (name, fence) DO UPDATE
             SET holder = excluded.holder, holder_pid = excluded.holder_pid,
                 started_at = excluded.started_at, ended_at = NULL, ended_how = NULL,
                 resign_requested_at = NULL;
+        -- Retention: the last `kept` fences of this name (fences grow by one per
+        -- term), pruned every 8th fence, 8 terms at a time (an index range on the
+        -- primary key), so a name holds at most kept + 7 terms.
+        IF pg_catalog.mod(NEW.fence, 8) = 0 THEN
+            DELETE FROM pgcoord.lease_terms AS t
+             WHERE t.name = NEW.name AND t.fence <= NEW.fence - kept;
+        END IF;
     ELSIF end_fence IS NOT NULL THEN
         UPDATE pgcoord.lease_terms AS t
            SET ended_at = ended, ended_how = how, resign_requested_at = resign
