@@ -77,7 +77,7 @@ def statements(dsn: str, n: int) -> dict[str, dict[bool, list[float]]]:
                 add("takeover, session gone", on, timed(conn, acquire, (dead, f"d{i}", 60000, 999_999)))
             # A release, then the next acquire (a handover's two statements).
             free = f"bench-terms-free:{uuid.uuid4().hex[:8]}"
-            for i in range(n // BLOCKS):
+            for _ in range(n // BLOCKS):
                 [(f,)] = conn.execute(acquire, (free, "r", 60000, None)).fetchall()
                 add("release", on, timed(conn, "select pgcoord.lease_release(%s, 'r', %s)", (free, f)))
             # Renewals: the triggers' WHEN clauses skip them.
