@@ -132,6 +132,11 @@ class Elector:
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
         self._conn: HolderConnection | None = None
+        # One statement at a time on the session: a renewal left in flight by a
+        # cancellation (renew_once lets it finish) is waited for by the resign that
+        # follows, rather than met by the driver's "another operation is in progress".
+        # A new lock with each session: one cut under a statement frees its lock.
+        self._io = asyncio.Lock()
         self._lost: asyncio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
@@ -245,7 +250,7 @@ class Elector:
             raise
         lost = asyncio.Event()
         conn.on_lost(lost.set)
-        self._conn, self._lost = conn, lost
+        self._conn, self._lost, self._io = conn, lost, asyncio.Lock()
         self._bell = Doorbell(conn, self.name, call=self._call)
         return conn
 
@@ -263,7 +268,7 @@ class Elector:
         conn = member.session()
         lost = asyncio.Event()
         conn.on_lost(lost.set)
-        self._conn, self._lost = conn, lost
+        self._conn, self._lost, self._io = conn, lost, asyncio.Lock()
         self._bell = Doorbell(conn, self.name, call=self._call)
         return conn
 
@@ -295,11 +300,12 @@ class Elector:
 
     async def _call(self, sql: str, *args: Any) -> Any:
         """A statement on the elector's session; ``_SessionLost`` when the session is gone."""
-        conn = self._conn
+        conn, io = self._conn, self._io
         if conn is None or (self._lost is not None and self._lost.is_set()):
             raise _SessionLost("no session")
         try:
-            return await conn.fetchval(sql, *args)
+            async with io:
+                return await conn.fetchval(sql, *args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -316,11 +322,12 @@ class Elector:
         return await campaign(self)
 
     async def _call_execute(self, sql: str) -> None:
-        conn = self._conn
+        conn, io = self._conn, self._io
         if conn is None:
             raise _SessionLost("no session")
         try:
-            await conn.execute(sql)
+            async with io:
+                await conn.execute(sql)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
