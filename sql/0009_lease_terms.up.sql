@@ -90,8 +90,9 @@ BEGIN
     IF TG_OP = 'UPDATE' AND OLD.holder IS NOT NULL THEN
         IF NEW.fence = OLD.fence AND NEW.holder IS NOT DISTINCT FROM OLD.holder THEN
             -- The same term, tied to a session now (lease_bind_session).
-            UPDATE pgcoord.lease_terms AS t SET holder_pid = NEW.holder_pid
-             WHERE t.name = NEW.name AND t.fence = NEW.fence;
+            INSERT INTO pgcoord.lease_terms AS t (name, fence, holder, holder_pid, started_at)
+            VALUES (NEW.name, NEW.fence, NEW.holder, NEW.holder_pid, coalesce(NEW.acquired_at, now_))
+            ON CONFLICT (name, fence) DO UPDATE SET holder_pid = excluded.holder_pid;
             RETURN NULL;
         END IF;
         end_fence := OLD.fence;
@@ -122,10 +123,22 @@ BEGIN
         -- Simple statements, each planned once per session (plpgsql's generic
         -- plans): one statement of data-modifying CTEs would be planned again at
         -- every call, its cost depending on whether this call prunes.
+        -- Upserts, not UPDATEs, for the term that ends (and the bind above): under
+        -- default_transaction_isolation = serializable an UPDATE's index scan takes
+        -- predicate locks on the primary key's pages, and two takeovers of
+        -- different names writing to one page then failed one of them with 40001;
+        -- an upsert's conflict check takes none. (The prune reads, but only one
+        -- takeover in 8 prunes, and two must meet for a conflict.) A term missing
+        -- from the record (it started while the record was off) is recorded ended.
         IF end_fence IS NOT NULL THEN
-            UPDATE pgcoord.lease_terms AS t
-               SET ended_at = ended, ended_how = how, resign_requested_at = resign
-             WHERE t.name = NEW.name AND t.fence = end_fence AND t.ended_at IS NULL;
+            INSERT INTO pgcoord.lease_terms AS t
+                (name, fence, holder, holder_pid, started_at, ended_at, ended_how, resign_requested_at)
+            VALUES (NEW.name, end_fence, OLD.holder, OLD.holder_pid, coalesce(OLD.acquired_at, ended),
+                    ended, how, resign)
+            ON CONFLICT (name, fence) DO UPDATE
+                SET ended_at = excluded.ended_at, ended_how = excluded.ended_how,
+                    resign_requested_at = excluded.resign_requested_at
+                WHERE t.ended_at IS NULL;
         END IF;
         -- A fence is reused only when the row was deleted and made again: the new
         -- term replaces the forgotten one.
@@ -143,9 +156,14 @@ BEGIN
              WHERE t.name = NEW.name AND t.fence <= NEW.fence - kept;
         END IF;
     ELSIF end_fence IS NOT NULL THEN
-        UPDATE pgcoord.lease_terms AS t
-           SET ended_at = ended, ended_how = how, resign_requested_at = resign
-         WHERE t.name = NEW.name AND t.fence = end_fence AND t.ended_at IS NULL;
+        INSERT INTO pgcoord.lease_terms AS t
+            (name, fence, holder, holder_pid, started_at, ended_at, ended_how, resign_requested_at)
+        VALUES (NEW.name, end_fence, OLD.holder, OLD.holder_pid, coalesce(OLD.acquired_at, ended),
+                ended, how, resign)
+        ON CONFLICT (name, fence) DO UPDATE
+            SET ended_at = excluded.ended_at, ended_how = excluded.ended_how,
+                resign_requested_at = excluded.resign_requested_at
+            WHERE t.ended_at IS NULL;
     END IF;
     RETURN NULL;
 END
