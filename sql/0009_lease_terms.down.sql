@@ -3,6 +3,7 @@
 DROP TRIGGER lease_names_recorded ON pgcoord.leases;
 DROP TRIGGER member_names_forgotten ON pgcoord.member_sessions;
 DROP FUNCTION pgcoord.member_names_forget();
+DROP INDEX pgcoord.lock_names_partition_member;
 DROP FUNCTION pgcoord.lease_names_record();
 DROP VIEW pgcoord.lease_history;
 DROP TRIGGER lease_terms_forgotten ON pgcoord.leases;

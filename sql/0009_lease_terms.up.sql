@@ -256,6 +256,16 @@ ON CONFLICT (key) DO NOTHING;
 -- partition_join): one name per member and partitions, forgotten here when the
 -- member's row goes (its tombstone is deleted a minute after it left), so that
 -- pgcoord.lock_names does not grow with every process ever started.
+--
+-- By an index of these names' member ids: pgcoord.lock_names holds every name
+-- ever locked by (it is never cleaned), and a scan of it all per member row
+-- deleted made a member's join, which deletes the tombstones, cost as much.
+-- Partial, and of the id only, so that other names cost nothing more to record
+-- and a long name never exceeds an index entry.
+CREATE INDEX lock_names_partition_member ON pgcoord.lock_names
+    (pg_catalog.substring(name, ':([0-9]+)$'))
+    WHERE pg_catalog.starts_with(name, 'pgcoord.partitions:');
+
 CREATE FUNCTION pgcoord.member_names_forget() RETURNS trigger
     LANGUAGE plpgsql
     SECURITY DEFINER
@@ -264,7 +274,7 @@ CREATE FUNCTION pgcoord.member_names_forget() RETURNS trigger
 BEGIN
     DELETE FROM pgcoord.lock_names AS n
      WHERE pg_catalog.starts_with(n.name, 'pgcoord.partitions:')
-       AND n.name ~ (':' || OLD.id::text || '$');
+       AND pg_catalog.substring(n.name, ':([0-9]+)$') = OLD.id::text;
     RETURN NULL;
 END
 $body$;
