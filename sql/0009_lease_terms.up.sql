@@ -282,6 +282,13 @@ $body$;
 CREATE TRIGGER member_names_forgotten AFTER DELETE ON pgcoord.member_sessions
     FOR EACH ROW EXECUTE FUNCTION pgcoord.member_names_forget();
 
+-- The trigger functions above run as the schema's owner: nobody but the owner may
+-- put them on a table (EXECUTE is checked when a trigger is made, not when it
+-- fires), or a role with a table of its own shaped like pgcoord.leases would
+-- write and wipe pgcoord.lease_terms and pgcoord.lock_names through them.
+REVOKE EXECUTE ON FUNCTION pgcoord.lease_terms_record(), pgcoord.lease_terms_forget(),
+    pgcoord.lease_names_record(), pgcoord.member_names_forget() FROM PUBLIC;
+
 -- The view names the rest: a transactional job's lock and a member's alive lock.
 CREATE OR REPLACE VIEW pgcoord.holders AS
 WITH sem AS MATERIALIZED (

@@ -5,12 +5,16 @@ stay one consistent row per fence however many processes race for a name."""
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import uuid
 
 import psycopg
+import pytest
 
-from .conftest import sql
+import pgcoord.migrations
+
+from .conftest import Server, sql
 
 
 def takeovers(dsn: str, names: list[str], rounds: int, options: str) -> collections.Counter[str]:
@@ -53,7 +57,7 @@ def test_takeovers_of_different_names_never_fail_to_serialize_under_serializable
                         " where name = %s order by fence", name)
         (fence,) = sql(dsn, "select fence from pgcoord.leases where name = %s", name)[0]
         assert [r[0] for r in rows] == list(range(int(rows[0][0]), int(fence) + 1))  # type: ignore[call-overload]
-        for (_, _, ended, how), (_, started, _, _) in zip(rows, rows[1:]):
+        for (_, _, ended, how), (_, started, _, _) in itertools.pairwise(rows):
             assert how == "expired" and ended is not None and ended <= started
 
 
@@ -70,7 +74,7 @@ def test_many_sessions_racing_for_one_name_leave_one_term_per_fence(dsn: str) ->
     assert fence == outcomes["won"]
     assert [r[0] for r in rows] == list(range(int(rows[0][0]), int(fence) + 1))  # type: ignore[call-overload]
     assert 50 <= len(rows) <= 57  # the last 50 fences, pruned every 8th
-    for (_, _, ended, how), (_, started, _, _) in zip(rows, rows[1:]):
+    for (_, _, ended, how), (_, started, _, _) in itertools.pairwise(rows):
         assert how == "expired" and ended is not None and ended <= started
 
 
@@ -89,7 +93,8 @@ def test_a_members_row_deleted_forgets_its_partition_names_without_reading_every
         ids = [int(r[0]) for r in conn.execute(  # type: ignore[call-overload]
             "select 2000000000 - g from generate_series(1, 11) g").fetchall()]
         for member_id in ids:
-            for lname in (f"pgcoord.partitions:{tag}:7:{member_id}", f"pgcoord.partitions:x{tag}:{member_id}"):
+            for lname in (f"pgcoord.partitions:{tag}:7:{member_id}",
+                          f"pgcoord.partitions:x{tag}:{member_id}"):
                 conn.execute("insert into pgcoord.lock_names (key, name) values (pgcoord.lock_key(%s), %s)",
                              (lname, lname))
         conn.execute("insert into pgcoord.member_sessions (id, \"group\", name, pid, ttl_ms, has_session,"
@@ -107,3 +112,48 @@ def test_a_members_row_deleted_forgets_its_partition_names_without_reading_every
     assert sorted(r[0] for r in left) == sorted(
         [f"pgcoord.partitions:{tag}:7:{ids[10]}", f"pgcoord.partitions:x{tag}:{ids[10]}"])
     assert after == before, (before, after)  # no row of lock_names read by a scan of it all
+
+
+def test_the_definer_triggers_cannot_be_borrowed_by_a_role_that_owns_a_table(
+        pg_server: Server, fresh_db: str) -> None:
+    """The record's trigger functions run as the schema's owner (SECURITY DEFINER). A
+    role with no right on pgcoord's tables but a table of its own, shaped like
+    pgcoord.leases, must not put them on that table to write pgcoord.lease_terms and
+    pgcoord.lock_names as the owner (forged terms, a history wiped). It could: EXECUTE
+    was granted to PUBLIC, the default. The triggers on pgcoord.leases still fire for
+    everyone (EXECUTE is checked when a trigger is made, not when it fires)."""
+    pgcoord.migrations.upgrade(fresh_db)
+    role = f"intruder_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {role} login")
+        admin.execute(f"create schema {role} authorization {role}")
+        admin.execute(f"grant usage on schema pgcoord to {role}")
+        admin.execute("select pgcoord.lease_acquire('definer:victim', 'v', 60000, null)")
+    base = fresh_db.replace("postgres@", "{}@")
+    try:
+        with psycopg.connect(base.format(role), autocommit=True) as bad:
+            bad.execute(f"create table {role}.fake (name text, holder text, fence bigint, holder_pid integer,"
+                        " holder_server text, acquired_at timestamptz, renewed_at timestamptz,"
+                        " expires_at timestamptz, resign_requested_at timestamptz)")
+            for fn, when in (("lease_terms_record", "insert"), ("lease_terms_forget", "delete"),
+                             ("lease_names_record", "insert")):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    bad.execute(f"create trigger t_{fn} after {when} on {role}.fake for each row"
+                                f" execute function pgcoord.{fn}()")
+            bad.execute(f"create table {role}.fake_members (id integer)")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                bad.execute(f"create trigger t_m after delete on {role}.fake_members for each row"
+                            f" execute function pgcoord.member_names_forget()")
+        assert sql(fresh_db, "select name, holder from pgcoord.lease_terms") == [("definer:victim", "v")]
+        # Still recorded for a role with rights on pgcoord.leases only.
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"grant select, insert, update on pgcoord.leases to {role};"
+                          " grant execute on function"
+                          f" pgcoord.lease_acquire(text, text, bigint, integer) to {role}")
+        with psycopg.connect(base.format(role), autocommit=True) as svc:
+            svc.execute("select pgcoord.lease_acquire('definer:own', 'o', 60000, null)")
+        assert sql(fresh_db, "select holder from pgcoord.lease_terms where name = 'definer:own'") == [("o",)]
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity where usename = '{role}'")
+            admin.execute(f"drop schema {role} cascade; drop owned by {role}; drop role {role}")
