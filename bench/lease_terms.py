@@ -12,6 +12,8 @@ so that a neighbour's load falls on both sides alike.
    'expired', one starts, one is pruned), a takeover from a dead session (the
    trigger looks the session up in pg_locks: 'session_ended'), a release, and a
    renewal (which the triggers' WHEN clauses skip).
+   Then one name raced for by 8 sessions (takeovers per second), and the 512 parts of a
+   partitions claimed and released in one statement each (a term per part).
 2. Elector failover end to end (bench/failover.py's fleet of 3 processes): the
    leader SIGKILLed, and stopped gracefully (SIGTERM), from the event to the new
    leader's first statement on the database clock.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import uuid
@@ -88,6 +91,74 @@ def statements(dsn: str, n: int) -> dict[str, dict[bool, list[float]]]:
     return out
 
 
+def contention(dsn: str, sessions: int, attempts: int) -> dict[bool, list[float]]:
+    """Takeovers per second of one name raced for by `sessions` sessions (ttl 1 ms: every
+    acquire that gets the row finds the last term expired), by whether the record was on."""
+    import threading
+
+    import psycopg
+
+    out: dict[bool, list[float]] = {True: [], False: []}
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for block in range(BLOCKS * 2):
+            on = block % 2 == 0
+            record(admin, on)
+            name = f"bench-terms-race:{uuid.uuid4().hex[:8]}"
+
+            def worker(i: int, name: str = name) -> None:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    for _ in range(attempts):
+                        conn.execute("select pgcoord.lease_acquire(%s, %s, 1, null)", (name, f"h{i}"))
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(sessions)]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            took = time.perf_counter() - started
+            [(fence,)] = admin.execute("select fence from pgcoord.leases where name = %s", (name,)).fetchall()
+            out[on].append(fence / took)
+        record(admin, True)
+    return out
+
+
+def partitions(dsn: str, parts: int, rounds: int) -> dict[str, dict[bool, list[float]]]:
+    """Milliseconds to claim, and to release, all `parts` parts of one partitions in one
+    statement each (partition_claim, partition_release): a term per part starts or ends."""
+    import json
+
+    import psycopg
+
+    from pgcoord._core.queries import query
+
+    def positional(sql: str) -> str:  # $1, $2... (each once, in order) as psycopg's %s
+        return re.sub(r"\$\d+", "%s", sql)
+
+    claim, release = positional(query("partition_claim")), positional(query("partition_release"))
+    out: dict[str, dict[bool, list[float]]] = {"claim": {True: [], False: []},
+                                               "release": {True: [], False: []}}
+    with psycopg.connect(dsn, autocommit=True) as admin, psycopg.connect(dsn, autocommit=True) as conn:
+        name = f"bench-terms-parts:{uuid.uuid4().hex[:8]}"
+        conn.execute("insert into pgcoord.leases (name, holder, fence) select %s || '/' || g, null, 0"
+                     " from generate_series(0, %s - 1) g", (name, parts))
+        for block in range(BLOCKS * 2):
+            on = block % 2 == 0
+            record(admin, on)
+            for _ in range(rounds):
+                started = time.perf_counter()
+                [(got,)] = conn.execute(claim, (name, list(range(parts)), "h", 30000)).fetchall()
+                claimed = time.perf_counter()
+                fences = dict(json.loads(got)[0])
+                conn.execute(release, (name, list(fences), list(fences.values()), "h",
+                                       list(fences))).fetchall()
+                done = time.perf_counter()
+                out["claim"][on].append((claimed - started) * 1000)
+                out["release"][on].append((done - claimed) * 1000)
+        record(admin, True)
+    return out
+
+
 def failovers(dsn: str, runs: int, ttl: float) -> dict[str, dict[bool, list[float]]]:
     import psycopg
 
@@ -132,6 +203,21 @@ def main() -> None:
             on, off = sides[True], sides[False]
             print(f"| {kind} | {pct(on, .5):,.0f} | {pct(on, .99):,.0f} | {pct(off, .5):,.0f} | "
                   f"{pct(off, .99):,.0f} | {pct(on, .5) / pct(off, .5):.2f} |", flush=True)
+        print(f"\nOne name raced for by 8 sessions, {args.statements // 10} attempts each, ttl 1 ms, "
+              f"{BLOCKS} blocks per side (takeovers per second):\n")
+        print("| with record | without | ratio |")
+        print("|---:|---:|---:|")
+        race = contention(dsn, 8, args.statements // 10)
+        print(f"| {pct(race[True], .5):,.0f} | {pct(race[False], .5):,.0f} | "
+              f"{pct(race[True], .5) / pct(race[False], .5):.2f} |", flush=True)
+        print(f"\nPartitions of 512 parts, all claimed then all released in one statement each, "
+              f"{BLOCKS} blocks of 5 per side (milliseconds):\n")
+        print("| statement | with record p50 | without p50 | ratio |")
+        print("|---|---:|---:|---:|")
+        for kind, sides in partitions(dsn, 512, 5).items():
+            on, off = sides[True], sides[False]
+            print(f"| {kind} 512 parts | {pct(on, .5):,.1f} | {pct(off, .5):,.1f} | "
+                  f"{pct(on, .5) / pct(off, .5):.2f} |", flush=True)
         print(f"\nElector failover, 3 processes, ttl {args.ttl:g} s, {args.runs} runs per side "
               "(milliseconds, event to the new leader's first statement):\n")
         print("| event | with record p50 | p99 | without p50 | p99 |")
