@@ -161,3 +161,30 @@ def test_the_definer_triggers_cannot_be_borrowed_by_a_role_that_owns_a_table(
         with psycopg.connect(fresh_db, autocommit=True) as admin:
             admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity where usename = '{role}'")
             admin.execute(f"drop schema {role} cascade; drop owned by {role}; drop role {role}")
+
+
+async def test_a_lock_name_that_cannot_be_recorded_never_refuses_the_lock(
+        pg_server: Server, fresh_db: str) -> None:
+    """A role without INSERT on pgcoord.lock_names: LockHolder.lock(name) is held all the
+    same (unnamed in pgcoord.holders), on either driver, and leaves no lock behind."""
+    import pgcoord
+
+    pgcoord.migrations.upgrade(fresh_db)
+    role = f"noins_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {role} login; grant usage on schema pgcoord to {role};"
+                      f" grant select on all tables in schema pgcoord to {role}")
+    try:
+        for driver in ("asyncpg", "psycopg"):
+            name = f"unrecordable-{driver}"
+            service = fresh_db.replace("postgres@", f"{role}@")
+            async with pgcoord.LockHolder(service, driver=driver) as holder, holder.lock(name, timeout=5):
+                assert sql(fresh_db, "select name, granted from pgcoord.holders where kind = 'advisory'"
+                                     " and key = pgcoord.lock_key(%s)", name) == [(None, True)]
+            assert sql(fresh_db, "select count(*) from pg_locks where locktype = 'advisory'") == [(0,)]
+        assert sql(fresh_db, "select count(*) from pgcoord.lock_names"
+                             " where name like 'unrecordable-%%'") == [(0,)]
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity where usename = '{role}'")
+            admin.execute(f"drop owned by {role}; drop role {role}")
