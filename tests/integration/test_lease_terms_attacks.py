@@ -188,3 +188,93 @@ async def test_a_lock_name_that_cannot_be_recorded_never_refuses_the_lock(
         with psycopg.connect(fresh_db, autocommit=True) as admin:
             admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity where usename = '{role}'")
             admin.execute(f"drop owned by {role}; drop role {role}")
+
+
+# A member process taking part in partitions `name`; prints OWN once it owns a part.
+PART_CHILD = r"""
+import asyncio, sys
+import pgcoord
+
+async def main(dsn, group, name, label):
+    async with pgcoord.Member(dsn, group=group, name=label, ttl=30.0) as member:
+        told = False
+        async def own(part):
+            nonlocal told
+            if not told:
+                told = True
+                print("OWN", flush=True)
+            await asyncio.Event().wait()
+        await pgcoord.Partitions(member, name, count=22, ttl=30.0).run(own)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_ten_members_killed_at_once_end_their_parts_terms_session_ended(dsn: str) -> None:
+    """Ten member processes share the parts of a partitions with one survivor, and are
+    SIGKILLed together. The survivor takes every part at once (not after the 30 s ttl),
+    and each part's history says so: the killed owner's term ended session_ended, before
+    the survivor's began, one term per fence; no lock of the dead is left."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pgcoord
+
+    tag = uuid.uuid4().hex[:6]
+    group, name = f"die:{tag}", f"die-parts:{tag}"
+    procs = [subprocess.Popen([sys.executable, "-c", PART_CHILD, dsn, group, name, f"m{i}"],  # noqa: ASYNC220
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()}) for i in range(10)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("OWN")
+        async with pgcoord.Member(dsn, group=group, name="survivor", ttl=30.0) as member:
+            owned: set[int] = set()
+
+            async def own(part: pgcoord.Partition) -> None:
+                owned.add(part.index)
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    owned.discard(part.index)
+
+            task = asyncio.create_task(pgcoord.Partitions(member, name, count=22, ttl=30.0).run(own))
+            try:
+                dead_pids = {int(r[0]) for r in sql(  # type: ignore[call-overload]
+                    dsn, "select holder_pid from pgcoord.leases where name like %s"
+                         " and holder like 'm%%'", f"{name}/%")}
+                killed_at = time.monotonic()
+                for proc in procs:
+                    os.kill(proc.pid, signal.SIGKILL)
+                while len(owned) < 22:
+                    assert time.monotonic() - killed_at < 20, sorted(owned)
+                    await asyncio.sleep(0.05)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+    rows = sql(dsn, "select name, fence, holder, holder_pid, started_at, ended_at, ended_how"
+                    " from pgcoord.lease_history where name like %s order by name, fence", f"{name}/%")
+    by_part: dict[str, list[tuple[object, ...]]] = collections.defaultdict(list)
+    for row in rows:
+        by_part[str(row[0])].append(row)
+    assert len(by_part) == 22
+    killed_terms = 0
+    for terms in by_part.values():
+        assert [t[1] for t in terms] == list(range(1, len(terms) + 1)), terms
+        for before, after in itertools.pairwise(terms):
+            assert before[5] is not None and before[5] <= after[4], (before, after)  # type: ignore[operator]
+            if before[3] in dead_pids and str(after[2]).startswith("survivor"):
+                assert before[6] == "session_ended", (before, after)
+                killed_terms += 1
+    assert killed_terms >= 10
+    assert sql(dsn, "select count(*) from pg_locks l where l.locktype = 'advisory'"
+                    " and l.pid = any(%s)", list(dead_pids)) == [(0,)]
