@@ -296,3 +296,44 @@ async def test_every_pool_feature_works_for_a_role_whose_search_path_lacks_pgcoo
 def plain_db_of(role_dsn: str) -> str:
     return "postgresql://postgres@" + role_dsn.split("@", 1)[1]
 
+
+# -- found on the way: a statement without a result on a psycopg session ------------------
+
+
+@pytest.mark.parametrize("source", ["psycopg-pool", "psycopg-dsn"])
+async def test_a_lock_holder_semaphore_on_psycopg_keeps_the_holders_other_locks(
+    plain_db: str, source: str,
+) -> None:
+    """A LockHolder's semaphore records its name (an INSERT with no result) on the
+    holder's session: on psycopg that read as a broken session, and every lock the
+    holder held was lost."""
+    from .sources import open_async
+
+    tag = uuid.uuid4().hex[:8]
+    async with open_async("psycopg-pool", plain_db, size=2) as pool:
+        holder = pgcoord.LockHolder(pool) if source == "psycopg-pool" else \
+            pgcoord.LockHolder(plain_db, driver="psycopg")
+        async with holder as locks, locks.lock(f"held-{tag}") as held:
+            async with locks.semaphore(f"sem-{tag}", limit=1):
+                pass
+            assert held.lost_reason is None
+        assert sql(plain_db, 'select "limit" from pgcoord.semaphores where name = %s', f"sem-{tag}") == [(1,)]
+    assert sql(plain_db, "select count(*) from pg_locks where locktype = 'advisory'") == [(0,)]
+
+
+async def test_an_elector_on_psycopg_names_its_doorbell(plain_db: str) -> None:
+    name = f"el-{uuid.uuid4().hex[:8]}"
+    leading = asyncio.Event()
+
+    async def lead(_fence: int) -> None:
+        leading.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(pgcoord.Elector(plain_db, name, ttl=3.0, driver="psycopg").run(lead))
+    try:
+        await asyncio.wait_for(leading.wait(), 15)
+        assert sql(plain_db, "select count(*) from pgcoord.lock_names where name = %s",
+                   f"pgcoord.elector:{name}") == [(1,)]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
