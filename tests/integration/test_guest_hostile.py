@@ -337,3 +337,265 @@ async def test_an_elector_on_psycopg_names_its_doorbell(plain_db: str) -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+# -- a member-bound election under an operator's cancels and terminations ------------------
+
+
+def watcher_pid(dsn: str, name: str) -> int | None:
+    rows = sql(dsn, "select pid from pg_stat_activity where application_name = %s",
+               f"pgcoord-member:{name}/watch")
+    return int(rows[0][0]) if rows else None  # type: ignore[call-overload]
+
+
+def candidacy_holders(dsn: str, lease: str) -> list[int]:
+    """The sessions holding ``lease``'s candidacy lock (see pgcoord/member/ring.py)."""
+    from pgcoord.member.ring import candidacy_key
+
+    key = candidacy_key(lease) % 2**64  # as pg_locks spells it: two unsigned halves
+    return [int(r[0]) for r in sql(  # type: ignore[call-overload]
+        dsn, "select pid from pg_locks where locktype = 'advisory' and objsubid = 1 and granted "
+             "and ((classid::bigint << 32) | objid::bigint) = %s", key)]
+
+
+async def test_a_standing_follower_keeps_its_place_through_cancels_and_a_new_watcher(dsn: str) -> None:
+    """Operators cancel and terminate what look like long waits: the follower's and the
+    leader's watchers (the follower's holds its candidacy), the main sessions' idle
+    moments. Nobody's id changes, the term stays, the follower stands again on its new
+    watcher, and takes over a released lease at once (ttl/3 is 10 s: only a poke is
+    this quick)."""
+    name, g = f"guest-el:{uuid.uuid4().hex[:6]}", group()
+    terms: list[tuple[str, int, float]] = []
+
+    def lead_as(who: str) -> object:
+        async def lead(fence: int) -> None:
+            terms.append((who, fence, time.monotonic()))
+            await asyncio.sleep(3600)
+        return lead
+
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", ttl=30) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", ttl=30) as b:
+        members = {"a": a, "b": b}
+        electors = {who: pgcoord.Elector(m, name, ttl=30) for who, m in members.items()}
+        tasks = [asyncio.ensure_future(electors["a"].run(lead_as("a")))]  # type: ignore[arg-type]
+        try:
+            await wait_for(lambda: len(terms) == 1, 10)
+            tasks.append(asyncio.ensure_future(electors["b"].run(lead_as("b"))))  # type: ignore[arg-type]
+            await wait_for(lambda: watcher_pid(dsn, b.name) in candidacy_holders(dsn, name), 10)
+            ids = (a.id, b.id)
+            for _ in range(3):
+                for m in (a, b):
+                    sql(dsn, "select pg_cancel_backend(%s)", watcher_pid(dsn, m.name))
+                    sql(dsn, "select pg_cancel_backend(%s)", main_pid(m))
+                    await asyncio.sleep(0.05)
+            for m in (b, a):
+                old = watcher_pid(dsn, m.name)
+                sql(dsn, "select pg_terminate_backend(%s)", old)
+                await wait_for(lambda m=m, old=old: watcher_pid(dsn, m.name) not in (None, old), 15)
+            await wait_for(lambda: watcher_pid(dsn, b.name) in candidacy_holders(dsn, name), 10)
+            await asyncio.sleep(0.5)
+            assert (a.id, b.id) == ids
+            assert [t[:2] for t in terms] == [("a", terms[0][1])]
+            stopped = time.monotonic()
+            await electors["a"].stop()
+            await wait_for(lambda: len(terms) == 2, 5)
+            assert terms[1][:2] == ("b", terms[0][1] + 1)
+            assert terms[1][2] - stopped < 2.0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    assert sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and pid <> pg_backend_pid()"
+               " and database = (select oid from pg_database where datname = current_database())") == [(0,)]
+
+
+# -- neighbours in the ring killed together ------------------------------------------------
+
+REPLICA = str(__import__("pathlib").Path(__file__).with_name("member_replica.py"))
+
+
+def test_two_neighbours_in_the_ring_killed_at_once_are_told_crashed_to_every_survivor(plain_db: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    dsn = plain_db
+
+    async def scenario() -> None:
+        g = group()
+        seen: list[object] = []
+        # ttl 30: the heartbeat sweep would take 10 s; only the watcher ring is quick.
+        async with pgcoord.Member(dsn, group=g, name=f"obs-{g}", ttl=30) as obs:
+            task = asyncio.ensure_future(collect(obs.watch(), seen))
+            procs = []
+            try:
+                for who in ("r1", "r2", "r3"):
+                    p = subprocess.Popen([sys.executable, REPLICA, dsn, g, f"{who}-{g}", "30", "asyncpg"],
+                                         stdout=subprocess.PIPE, text=True)
+                    procs.append(p)
+                    assert p.stdout is not None
+                    line = await asyncio.to_thread(p.stdout.readline)
+                    assert line.startswith("JOINED"), line
+                ids = sorted(int(r[0]) for r in sql(dsn, "select id from pgcoord.members"))  # type: ignore[call-overload]
+                assert len(ids) == 4 and ids[0] == obs.id  # obs, r1, r2, r3 in ring order
+                await wait_for(lambda: sum(1 for c in seen if isinstance(c, pgcoord.MemberJoined)) == 3, 10)
+                await asyncio.sleep(0.5)  # every watcher waits on its successor
+                own = obs.id
+                for p in procs[:2]:
+                    p.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                await wait_for(lambda: len(departures(seen)) == 2, 5)
+                assert time.monotonic() - killed < 3.0
+                assert sorted((c.member.name, c.reason) for c in departures(seen)) == [  # type: ignore[attr-defined]
+                    (f"r1-{g}", "crashed"), (f"r2-{g}", "crashed")]
+                # The survivor outside this process was told the same, once each.
+                survivor = procs[2]
+                assert survivor.stdout is not None
+                lines = [await asyncio.wait_for(asyncio.to_thread(survivor.stdout.readline), 5) for _ in range(2)]
+                assert sorted(line.split()[1:3] for line in lines) == [[f"r1-{g}", "crashed"], [f"r2-{g}", "crashed"]]
+                assert obs.id == own
+                # obs now watches r3, and r3 watches obs.
+                await wait_for(lambda: obs._ring._target == ids[3], 5)
+                survivor.send_signal(signal.SIGKILL)
+                await wait_for(lambda: len(departures(seen)) == 3, 5)
+                await asyncio.sleep(0.3)
+                assert len(departures(seen)) == 3 and obs.id == own
+            finally:
+                task.cancel()
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+        assert sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and pid <> pg_backend_pid()"
+                   " and database = (select oid from pg_database where datname = current_database())") == [(0,)]
+
+    asyncio.run(scenario())
+
+
+# -- an operator cancels an Elector(dsn) follower's doorbell wait -------------------------
+
+
+def elector_sessions(dsn: str, name: str) -> set[int]:
+    return {int(r[0]) for r in sql(dsn, "select pid from pg_stat_activity "  # type: ignore[call-overload]
+                                        "where application_name = %s", f"pgcoord-elector:{name}")}
+
+
+async def test_an_operators_cancel_of_a_followers_doorbell_wait_keeps_its_session(plain_db: str) -> None:
+    """pg_cancel_backend on what looks like a long-waiting query (the follower's
+    doorbell wait) cuts that one statement: the follower waits again on the same
+    session, holds no doorbell level it did not mean to, and still takes over at once
+    when the leader's session ends."""
+    dsn, name = plain_db, f"el-{uuid.uuid4().hex[:8]}"
+    terms: list[tuple[str, int]] = []
+
+    def lead_as(who: str) -> object:
+        async def lead(fence: int) -> None:
+            terms.append((who, fence))
+            await asyncio.Event().wait()
+        return lead
+
+    leader = pgcoord.Elector(dsn, name, holder="leader", ttl=30)
+    follower = pgcoord.Elector(dsn, name, holder="follower", ttl=30)
+    tasks = [asyncio.ensure_future(leader.run(lead_as("leader")))]  # type: ignore[arg-type]
+    try:
+        await wait_for(lambda: terms == [("leader", terms[0][1])] if terms else False, 15)
+        tasks.append(asyncio.ensure_future(follower.run(lead_as("follower"))))  # type: ignore[arg-type]
+        waiting = lambda: sql(dsn, "select pid from pg_stat_activity where application_name = %s "  # noqa: E731
+                                   "and wait_event_type = 'Lock'", f"pgcoord-elector:{name}")
+        await wait_for(lambda: len(waiting()) == 1, 15)
+        sessions = elector_sessions(dsn, name)
+        (follower_pid,) = waiting()[0]
+        for _ in range(3):
+            sql(dsn, "select pg_cancel_backend(%s)", follower_pid)
+            await wait_for(lambda: len(waiting()) == 1, 5)
+        await asyncio.sleep(0.3)
+        assert elector_sessions(dsn, name) == sessions
+        assert terms == [("leader", terms[0][1])]
+        # The leader's session ends: the follower, waiting on the doorbell, leads at once.
+        (leader_pid,) = sessions - {follower_pid}
+        started = time.monotonic()
+        sql(dsn, "select pg_terminate_backend(%s)", leader_pid)
+        await wait_for(lambda: any(who == "follower" for who, _ in terms), 5)
+        assert time.monotonic() - started < 2.0
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(0.2)
+    assert sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and pid <> pg_backend_pid()"
+               " and database = (select oid from pg_database where datname = current_database())") == [(0,)]
+
+
+# -- a connection goes back exactly as it came ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tuned_role(plain_db: str) -> Iterator[str]:
+    """A role carrying a DBA's settings: pgcoord must undo whatever it changes on them."""
+    role = f"pgcoord_tuned_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(plain_db, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        for name, value in {"lock_timeout": "4s", "statement_timeout": "20s",
+                            "idle_in_transaction_session_timeout": "20s", "idle_session_timeout": "60s",
+                            "default_transaction_isolation": "repeatable read",
+                            "search_path": "public", "application_name": "dba-app",
+                            "tcp_keepalives_idle": "77"}.items():
+            conn.execute(f"ALTER ROLE {role} SET {name} = '{value}'")
+    try:
+        yield plain_db.replace("postgres@", f"{role}@", 1)
+    finally:
+        with psycopg.connect(plain_db, autocommit=True) as conn:
+            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where usename = %s", (role,))
+            conn.execute(f"DROP ROLE {role}")
+
+
+async def all_settings(conn: psycopg.AsyncConnection) -> dict[str, tuple[str, str]]:
+    cur = await conn.execute("select name, setting, source from pg_settings "
+                             "where name not in ('transaction_isolation', 'transaction_read_only') "
+                             "and name not like 'plpgsql.%'")  # loaded with the language, harmless
+    return {str(n): (str(s), str(src)) for n, s, src in await cur.fetchall()}
+
+
+async def test_every_feature_gives_a_connection_back_as_it_came(tuned_role: str) -> None:
+    """On a psycopg pool (which, unlike asyncpg's, resets nothing on give-back), every
+    setting, and where it came from, is what it was before pgcoord used the connection."""
+    import psycopg_pool
+
+    dsn, tag = tuned_role, uuid.uuid4().hex[:8]
+    async with psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False) as one, \
+            psycopg_pool.AsyncConnectionPool(dsn, min_size=2, max_size=2, open=False) as two:
+        async with one.connection() as conn:
+            before = await all_settings(conn)
+        async with two.connection() as conn:
+            assert await all_settings(conn) == before
+
+        async with pgcoord.exclusive(one, a_key()):
+            pass
+        async with pgcoord.exclusive(one, a_key(), timeout=2.0):
+            pass
+        async with pgcoord.semaphore(one, f"sem-{tag}", limit=1):
+            pass
+        async with pgcoord.LockHolder(one) as locks:
+            async with locks.lock(f"held-{tag}"):
+                pass
+            async with locks.lock(f"held2-{tag}", timeout=2.0):
+                pass
+            async with locks.semaphore(f"hsem-{tag}", limit=1):
+                pass
+        async with one.connection() as conn:
+            assert await all_settings(conn) == before
+            async with conn.transaction():  # nothing left for the next transaction either
+                assert await all_settings(conn) == before
+
+        async with pgcoord.Lease(two, f"lease-{tag}", ttl=3.0):
+            await asyncio.sleep(1.2)  # one renewal
+        s = pgcoord.Scheduler(two)
+
+        @s.cron(f"job-{tag}", "0 0 1 1 *")
+        async def work(slot: object) -> None:
+            pass
+
+        await asyncio.wait_for(s.trigger(f"job-{tag}"), 30)
+        for _ in range(2):
+            async with two.connection() as conn:
+                assert await all_settings(conn) == before
