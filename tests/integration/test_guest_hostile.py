@@ -199,6 +199,7 @@ async def test_a_lock_holder_on_a_pool_of_one_keeps_its_lock_past_idle_session_t
         async with pgcoord.exclusive(pool, a_key()) as conn:
             before = [await show(conn, n) for n in ("idle_session_timeout", "lock_timeout",
                                                     "search_path", "application_name")]
+        await asyncio.sleep(1.0)  # the pool's one connection is ended before the holder borrows it
         async with pgcoord.LockHolder(pool) as locks:
             async with locks.lock(key):
                 await asyncio.sleep(2.0)
@@ -209,6 +210,7 @@ async def test_a_lock_holder_on_a_pool_of_one_keeps_its_lock_past_idle_session_t
                     assert await other.fetchval("select pg_try_advisory_lock($1)", key) is False
                 finally:
                     await other.close()
+        await asyncio.sleep(1.0)
         async with pgcoord.exclusive(pool, a_key()) as conn:
             after = [await show(conn, n) for n in ("idle_session_timeout", "lock_timeout",
                                                    "search_path", "application_name")]
@@ -599,3 +601,28 @@ async def test_every_feature_gives_a_connection_back_as_it_came(tuned_role: str)
         for _ in range(2):
             async with two.connection() as conn:
                 assert await all_settings(conn) == before
+
+
+
+@pytest.mark.parametrize("kind", ["sa-async-asyncpg", "sa-async-psycopg"])
+async def test_sqlalchemy_engines_go_on_after_the_server_ended_their_idle_connections(
+    idle_db: str, kind: str,
+) -> None:
+    from .sources import open_async
+
+    async with open_async(kind, idle_db, size=2) as engine:
+        async with pgcoord.exclusive(engine, a_key()), pgcoord.exclusive(engine, a_key()):
+            pass
+        await asyncio.sleep(1.0)
+        async with pgcoord.exclusive(engine, a_key()):
+            pass
+        await asyncio.sleep(1.0)
+        async with pgcoord.semaphore(engine, f"idle-{uuid.uuid4().hex[:8]}", limit=1):
+            pass
+        await asyncio.sleep(1.0)
+        async with pgcoord.Lease(engine, f"idle-{uuid.uuid4().hex[:8]}", ttl=3.0) as fence:
+            assert fence >= 1
+            await asyncio.sleep(2.5)  # renewals after the connections were ended
+        await asyncio.sleep(1.0)
+        async with pgcoord.LockHolder(engine) as locks, locks.lock(a_key()):
+            pass
