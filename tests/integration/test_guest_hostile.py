@@ -626,3 +626,57 @@ async def test_sqlalchemy_engines_go_on_after_the_server_ended_their_idle_connec
         await asyncio.sleep(1.0)
         async with pgcoord.LockHolder(engine) as locks, locks.lock(a_key()):
             pass
+
+
+# -- default_transaction_read_only on for a while, then off ----------------------------------
+
+
+@pytest.fixture
+def own_db(pg_server: Server) -> Iterator[str]:
+    yield from _database(pg_server, {})
+
+
+async def test_a_scheduler_and_leases_go_on_after_a_read_only_spell(own_db: str) -> None:
+    """The DBA sets default_transaction_read_only for the database (a maintenance
+    window, a promotion gone wrong) and the pool's connections are renewed under it,
+    then takes it back. While it lasts pgcoord's writes are refused with a named
+    error; afterwards the scheduler runs its slots again, and a lease is had, without
+    anything restarted."""
+    from .sources import APP, open_async
+
+    dsn, tag = own_db, uuid.uuid4().hex[:8]
+    dbname = dsn.rsplit("/", 1)[1]
+
+    def renew_pool_connections() -> None:
+        sql(dsn, "select pg_terminate_backend(pid) from pg_stat_activity "
+                 "where application_name = %s and datname = current_database()", APP)
+
+    ran: list[float] = []
+    async with open_async("asyncpg-pool", dsn, size=4) as pool:
+        s = pgcoord.Scheduler(pool)
+
+        @s.cron(f"every-second-{tag}", "* * * * * *")
+        async def work(slot: object) -> None:
+            ran.append(time.monotonic())
+
+        runner = asyncio.ensure_future(s.run())
+        try:
+            await wait_for(lambda: len(ran) >= 2, 20)
+            sql(dsn, f"alter database {dbname} set default_transaction_read_only = on")
+            renew_pool_connections()
+            await asyncio.sleep(0.5)
+            with pytest.raises(pgcoord.PgcoordError, match="default_transaction_read_only"):
+                async with asyncio.timeout(20):
+                    await pgcoord.Lease(pool, f"ro-{tag}", ttl=3.0).acquire()
+            await asyncio.sleep(2.0)
+            with psycopg.connect(dsn, autocommit=True, options="-c default_transaction_read_only=off") as conn:
+                conn.execute(f"alter database {dbname} reset default_transaction_read_only")
+            renew_pool_connections()
+            back = time.monotonic()
+            await wait_for(lambda: any(t > back for t in ran), 15)
+            assert not runner.done()
+            async with asyncio.timeout(20), pgcoord.Lease(pool, f"ro-{tag}", ttl=3.0) as fence:
+                assert fence >= 1
+        finally:
+            await s.stop()
+            await asyncio.gather(runner, return_exceptions=True)
