@@ -354,7 +354,7 @@ def candidacy_holders(dsn: str, lease: str) -> list[int]:
     """The sessions holding ``lease``'s candidacy lock (see pgcoord/member/ring.py)."""
     from pgcoord.member.ring import candidacy_key
 
-    key = candidacy_key(lease) % 2**64  # as pg_locks spells it: two unsigned halves
+    key = candidacy_key(lease)
     return [int(r[0]) for r in sql(  # type: ignore[call-overload]
         dsn, "select pid from pg_locks where locktype = 'advisory' and objsubid = 1 and granted "
              "and ((classid::bigint << 32) | objid::bigint) = %s", key)]
@@ -680,3 +680,28 @@ async def test_a_scheduler_and_leases_go_on_after_a_read_only_spell(own_db: str)
         finally:
             await s.stop()
             await asyncio.gather(runner, return_exceptions=True)
+
+
+# -- a stand taken while the watcher is between statements ---------------------------------
+
+
+async def test_every_stand_is_taken_at_once_even_when_the_watcher_is_between_statements(plain_db: str) -> None:
+    """A feature stands for a lease (its member's watcher must hold the candidacy
+    lock, or the lease's release pokes nobody); the watcher is told by a cancel of its
+    wait. Stands and withdrawals in quick succession land while the watcher is
+    between two statements, where a cancel is lost: each stand must still be held at
+    once, not at the next ring change (ttl 30: the heartbeat would take 10 s)."""
+    dsn, g = plain_db, group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", ttl=30) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", ttl=30):
+        await wait_for(lambda: a._ring._target is not None, 10)
+        leases = [f"lease-{uuid.uuid4().hex[:8]}" for _ in range(40)]
+        for i, lease in enumerate(leases):
+            withdraw = a.stand(lease, lambda: None)
+            if i % 2:
+                await asyncio.sleep(0.002 * (i % 7))  # land anywhere in the watcher's round
+            try:
+                await wait_for(lambda lease=lease: watcher_pid(dsn, a.name) in candidacy_holders(dsn, lease), 3)
+            finally:
+                withdraw()
+        await wait_for(lambda: all(candidacy_holders(dsn, lease) == [] for lease in leases[-3:]), 3)
