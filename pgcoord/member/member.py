@@ -61,6 +61,9 @@ log = logging.getLogger("pgcoord.member")
 
 CHANNEL = "pgcoord_members"
 
+#: What cuts a statement of the member's short without saying anything of its session.
+_BUSY = (_errmap.SQLSTATE_LOCK_NOT_AVAILABLE, _errmap.SQLSTATE_QUERY_CANCELED)
+
 
 
 class Member:
@@ -117,8 +120,24 @@ class Member:
         if self._open:
             raise RuntimeError("this Member is already open")
         self._open = True
+        backoff = Backoff(first=0.05, cap=min(1.0, self.ttl / 3))
         try:
-            await self._join()
+            while True:
+                try:
+                    await self._join()
+                    break
+                except Exception as exc:
+                    await finish_despite_cancel(self._drop_sessions())
+                    if _errmap.sqlstate(exc) not in _BUSY:
+                        raise
+                    # pgcoord's table locked past the session's own 500 ms lock_timeout
+                    # (a migration's ALTER TABLE, an operator's transaction), or an
+                    # operator's cancel: the database is there and the join may be
+                    # made; as a rejoin would, try again (the caller bounds the wait).
+                    delay = backoff.failed()
+                    log.warning("member %r: joining was cut short (%r); trying again in %.2fs",
+                                self.name, exc, delay)
+                    await backoff.sleep()
         except BaseException:
             self._open = False
             await finish_despite_cancel(self._drop_sessions())

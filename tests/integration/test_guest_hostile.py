@@ -682,6 +682,51 @@ async def test_a_scheduler_and_leases_go_on_after_a_read_only_spell(own_db: str)
             await asyncio.gather(runner, return_exceptions=True)
 
 
+# -- a migration (or an operator) locks pgcoord's member table for a while ------------------
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_members_ride_out_their_table_locked_by_a_migration(plain_db: str, driver: str) -> None:
+    """An ALTER TABLE on pgcoord.member_sessions (a later ``pgcoord migrate``, a VACUUM
+    FULL) holds its ACCESS EXCLUSIVE lock for a few seconds while the fleet runs:
+    every statement of the members on it is cut by their 500 ms lock_timeout, again
+    and again. Their sessions live: nobody's id changes, nobody is told anyone left,
+    and a member that joins meanwhile joins once the table is free."""
+    dsn, g = plain_db, group()
+    async with pgcoord.Member(dsn, group=g, name=f"a-{g}", ttl=1.5, driver=driver) as a, \
+            pgcoord.Member(dsn, group=g, name=f"b-{g}", ttl=1.5, driver=driver) as b:
+        seen: list[object] = []
+        task = asyncio.ensure_future(collect(b.watch(), seen))
+        try:
+            await asyncio.sleep(0.3)
+            ids = (a.id, b.id)
+            blocker = await asyncpg.connect(dsn)
+            try:
+                tx = blocker.transaction()
+                await tx.start()
+                await blocker.execute("lock table pgcoord.member_sessions in access exclusive mode")
+                c = pgcoord.Member(dsn, group=g, name=f"c-{g}", ttl=1.5, driver=driver)
+                joining = asyncio.ensure_future(c.open())
+                await asyncio.sleep(2.5)
+                await tx.commit()
+            finally:
+                await blocker.close()
+            try:
+                await asyncio.wait_for(joining, 15)
+                await wait_for(lambda: [x.member.name for x in seen  # type: ignore[attr-defined]
+                                        if isinstance(x, pgcoord.MemberJoined)] == [c.name], 10)
+                await asyncio.sleep(1.0)
+                assert (a.id, b.id) == ids
+                assert departures(seen) == []
+                assert a.has_session and b.has_session and c.has_session
+            finally:
+                await c.close()
+            await wait_for(lambda: [(x.member.name, x.reason) for x in departures(seen)]  # type: ignore[attr-defined]
+                           == [(c.name, "left")], 10)
+        finally:
+            task.cancel()
+
+
 # -- a stand taken while the watcher is between statements ---------------------------------
 
 
