@@ -750,3 +750,50 @@ async def test_every_stand_is_taken_at_once_even_when_the_watcher_is_between_sta
             finally:
                 withdraw()
         await wait_for(lambda: all(candidacy_holders(dsn, lease) == [] for lease in leases[-3:]), 3)
+
+
+# -- the leader and the next follower killed together ------------------------------------
+
+ELECTOR_REPLICA = str(__import__("pathlib").Path(__file__).with_name("elector_member_replica.py"))
+
+
+def test_the_leader_and_a_standing_follower_killed_together_hand_over_at_once(plain_db: str) -> None:
+    """Two processes SIGKILLed at once, next to each other in the ring: the leader's
+    member and a follower's member, which stood for the lease. The last follower leads
+    under the next fence, at once (ttl 30: a third of it is 10 s)."""
+    import signal
+    import subprocess
+    import sys
+
+    dsn, prefix = plain_db, f"pair-{uuid.uuid4().hex[:6]}"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for label in ("p1", "p2", "p3"):
+            p = subprocess.Popen([sys.executable, ELECTOR_REPLICA, dsn, prefix, "1", label],
+                                 stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            if label == "p1":
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                assert line.startswith("LEAD 0"), line
+                fence = int(line.split()[3])
+        deadline = time.monotonic() + 15
+        while len(sql(dsn, "select 1 from pgcoord.members where name in ('p2', 'p3') "
+                           "and \"group\" = %s", f"{prefix}:group")) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # both followers stand on their watchers
+        for p in procs[:2]:
+            p.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        last = procs[2]
+        assert last.stdout is not None
+        line = last.stdout.readline()
+        assert line.startswith("LEAD 0"), line
+        assert int(line.split()[3]) == fence + 1
+        assert time.monotonic() - killed < 3.0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
