@@ -155,8 +155,15 @@ SELECT count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
 WHERE w.pid <> pg_catalog.pg_backend_pid()
 
 -- name: member_cancel_watch
--- Move a blocked watcher to another target: cancel its lock wait.
-SELECT pg_catalog.pg_cancel_backend($1)
+-- Cut watcher $1's wait short (a retarget, a new stand): cancel it, but only while it
+-- waits (for a lock, or in member_idle). A cancel that reaches a backend between two
+-- statements is dropped by the server, and one that lands on a short statement of
+-- the watcher's is a needless error: the caller asks again until the watcher has
+-- looked (pgcoord/member/ring.py). True when a cancel was sent.
+SELECT coalesce(pg_catalog.bool_or(pg_catalog.pg_cancel_backend(a.pid)), false)
+FROM pg_catalog.pg_stat_activity AS a
+WHERE a.pid = $1 AND a.state = 'active'
+  AND (a.wait_event_type = 'Lock' OR pg_catalog.strpos(a.query, 'pgcoord:member' || '_idle') > 0)
 
 -- name: job_expire_member_claims
 SELECT pgcoord.job_expire_member_claims($1)

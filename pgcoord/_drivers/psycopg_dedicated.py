@@ -155,6 +155,11 @@ class PsycopgDedicated(DedicatedSession):
 
     async def _fetchrow(self, sql: str, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         cur = await self.conn.execute(to_pyformat(sql), args or None)
+        if cur.description is None:
+            # A statement with no result (an INSERT without RETURNING): psycopg's
+            # fetchone() would raise a ProgrammingError, with no SQLSTATE, which reads
+            # as a broken session and loses every lock held on it.
+            return None
         row: tuple[Any, ...] | None = await cur.fetchone()
         return row
 

@@ -38,7 +38,15 @@ async def campaign(el: Elector) -> tuple[int, bool, float]:
                 bell.rang()
                 rang = True
             except Exception as exc:
-                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                code = _errmap.sqlstate(exc)
+                if code == _errmap.SQLSTATE_QUERY_CANCELED:
+                    # Someone else's pg_cancel_backend (an operator, a tool ending
+                    # what looks like a long-waiting query): that one statement is
+                    # cut, the session lives. The grant may have come just before
+                    # the cancel: let go of the bell if this wait took it.
+                    await el._call_execute(query("holder_undo").format(
+                        key=el._doorbell, mode="ExclusiveLock", unlock_fn="pg_advisory_unlock"))
+                elif code != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
                     raise
                 # The leader may have gone just after the wait gave up: take
                 # the bell now if it is free, so that a lease won here is

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._core import errmap as _errmap
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
@@ -48,6 +49,7 @@ from .._core.aio import (
 )
 from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
+from .._drivers.capacity import pool_capacity
 from .._drivers.dedicated import (
     ConnectionSource,
     HolderConnection,
@@ -173,6 +175,9 @@ class LockHolder:
             self._source: ConnectionSource = self._member._source
         else:
             self._source = connection_source(source, driver, self.keepalive)
+        #: How many connections a pool may lend us that its server ended while idle.
+        self._lend_tries = 1 if isinstance(source, str | Member) else \
+            min(max(2, (pool_capacity(source) or 1) + 1), 12)
         self._main: Carrier | None = None
         self._main_lock = asyncio.Lock()
         self._carriers: set[Carrier] = set()
@@ -272,6 +277,22 @@ class LockHolder:
         self._carriers.add(carrier)
         return carrier
 
+    async def _set_up_borrowed(self, borrow: Callable[[], Awaitable[HolderConnection]], *,
+                               dedicated: bool) -> Carrier:
+        """``_setup`` on a connection from ``borrow()``. A pool may lend a connection the
+        server has ended (its idle_session_timeout, an operator) while it sat idle: the
+        setup took nothing on it, so it is given back (the pool discards it) and another
+        borrowed, once per connection the pool may hold."""
+        tries = self._lend_tries
+        for n in range(tries):
+            conn = await borrow()
+            try:
+                return await self._setup(conn, dedicated=dedicated)
+            except Exception as exc:
+                if not _errmap.session_gone(exc) or n + 1 == tries:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _refuse_transaction_pooler(self, conn: HolderConnection) -> None:
         if await behind_transaction_pooler(self._source, conn):
             raise UnsupportedConnection(
@@ -312,7 +333,7 @@ class LockHolder:
                 if self._member is not None:
                     main = self._main = await self._on_member(self._member)
                 else:
-                    main = self._main = await self._setup(await self._source.open(), dedicated=False)
+                    main = self._main = await self._set_up_borrowed(self._source.open, dedicated=False)
                     main.start_probe()
             return main
 
@@ -339,15 +360,18 @@ class LockHolder:
             )
         self._waiting_conns += 1
         try:
-            conn = await self._source.open_now()
-            if conn is None:
-                raise PoolExhausted(
-                    f"lock {request.describe()} is held by another session and must be waited "
-                    "for on a connection of its own, but the pool has none to lend at once (a "
-                    "LockHolder never waits on its own pool); give the pool room for the locks "
-                    "that wait, pass a DSN, or use wait=False"
-                )
-            carrier = await self._setup(conn, dedicated=True)
+            async def lend() -> HolderConnection:
+                conn = await self._source.open_now()
+                if conn is None:
+                    raise PoolExhausted(
+                        f"lock {request.describe()} is held by another session and must be waited "
+                        "for on a connection of its own, but the pool has none to lend at once (a "
+                        "LockHolder never waits on its own pool); give the pool room for the locks "
+                        "that wait, pass a DSN, or use wait=False"
+                    )
+                return conn
+
+            carrier = await self._set_up_borrowed(lend, dedicated=True)
         except BaseException:
             self._waiting_conns -= 1
             raise

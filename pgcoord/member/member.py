@@ -61,6 +61,9 @@ log = logging.getLogger("pgcoord.member")
 
 CHANNEL = "pgcoord_members"
 
+#: What cuts a statement of the member's short without saying anything of its session.
+_BUSY = (_errmap.SQLSTATE_LOCK_NOT_AVAILABLE, _errmap.SQLSTATE_QUERY_CANCELED)
+
 
 
 class Member:
@@ -117,8 +120,24 @@ class Member:
         if self._open:
             raise RuntimeError("this Member is already open")
         self._open = True
+        backoff = Backoff(first=0.05, cap=min(1.0, self.ttl / 3))
         try:
-            await self._join()
+            while True:
+                try:
+                    await self._join()
+                    break
+                except Exception as exc:
+                    await finish_despite_cancel(self._drop_sessions())
+                    if _errmap.sqlstate(exc) not in _BUSY:
+                        raise
+                    # pgcoord's table locked past the session's own 500 ms lock_timeout
+                    # (a migration's ALTER TABLE, an operator's transaction), or an
+                    # operator's cancel: the database is there and the join may be
+                    # made; as a rejoin would, try again (the caller bounds the wait).
+                    delay = backoff.failed()
+                    log.warning("member %r: joining was cut short (%r); trying again in %.2fs",
+                                self.name, exc, delay)
+                    await backoff.sleep()
         except BaseException:
             self._open = False
             await finish_despite_cancel(self._drop_sessions())
@@ -394,24 +413,47 @@ class Member:
                     self._main.abort()
                 self._lost.set()
                 return
+            except Exception as exc:
+                self._survive(exc, "its heartbeat")
+                continue
             if not alive:
                 # Declared dead (our lock was not seen): a new incarnation joins.
                 self._lost.set()
                 return
-            if self.polling:
-                await self._refresh()  # no NOTIFY behind a pooler: look
-            else:
-                await self._listen_all()  # LISTEN only while something needs news
-                if CHANNEL not in self._listening:
-                    # No membership news: look (the ring, and the group for a later watch()).
-                    await self._refresh(quiet=True)
+            try:
+                if self.polling:
+                    await self._refresh()  # no NOTIFY behind a pooler: look
+                else:
+                    await self._listen_all()  # LISTEN only while something needs news
+                    if CHANNEL not in self._listening:
+                        # No membership news: look (the ring, and the group for a later watch()).
+                        await self._refresh(quiet=True)
+            except Exception as exc:
+                self._survive(exc, "reading the group")
+
+    def _survive(self, exc: Exception, what: str) -> None:
+        """A statement on the main session failed, and the session may well live: a
+        row or table lock held past the session's own 500 ms lock_timeout (an
+        operator's transaction on pgcoord's tables, a migration), an operator's
+        pg_cancel_backend. The member's life is its alive lock, not its heartbeat
+        row: it stays, and tries again at its next beat. Re-raised (the member joins
+        again) only for a session that is gone or a schema that is."""
+        if _errmap.session_gone(exc) or _errmap.as_schema_missing(exc) is not exc:
+            raise exc
+        log.warning("member %r (id %s): %s failed (%r); trying again at the next beat",
+                    self.name, self.id, what, exc)
 
     async def _news_loop(self) -> None:
         while True:
             await self._news.wait()
             self._news.clear()
-            await self._refresh()
-            await self._listen_all()  # a member no longer alone stops listening
+            try:
+                await self._refresh()
+                await self._listen_all()  # a member no longer alone stops listening
+            except Exception as exc:
+                self._survive(exc, "reading the news")
+                await asyncio.sleep(min(1.0, self.ttl / 3))
+                self._news.set()  # not lost: read again
 
     def _on_notify(self, payload: str) -> None:
         try:

@@ -24,7 +24,7 @@ next third of a ttl, as before.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -70,6 +70,11 @@ class RingWatch:
         self._session_lost = False
         self._target: int | None = None
         self._waiting = False  # the watcher is in a wait that a cancel ends
+        # Nudges asked for, and how many of them the watcher's latest round had seen
+        # when it started (each round syncs the stands, then looks at its successor).
+        self._asked = 0
+        self._looked = 0
+        self._nudging = False  # a _cancel_wait is under way
         #: Candidacies: lock key -> what to wake when it is poked.
         self._stands: dict[int, list[Callable[[], None]]] = {}
         self._taken: set[int] = set()  # candidacy locks held on the current session
@@ -114,8 +119,10 @@ class RingWatch:
                     log.exception("member %r: a candidate's wake-up failed", self._name)
 
     def _nudge(self) -> None:
-        """Have the watcher look again now: cut its wait short."""
-        if self._waiting and self._session is not None:
+        """Have the watcher look again now: cut its wait short, once it is in one."""
+        self._asked += 1
+        if self._session is not None and not self._nudging:
+            self._nudging = True
             self._spawn(self._cancel_wait(), f"pgcoord-member-retarget:{self._name}")
 
     def successor(self) -> int | None:
@@ -125,18 +132,39 @@ class RingWatch:
             return None
         return next((i for i in others if i > own), others[0])
 
-    def retarget(self) -> None:
-        """Move a watcher blocked on a target that is no longer our successor."""
+    def retarget(self, *, stands: bool = True) -> None:
+        """Move a watcher blocked on a target that is no longer our successor, or (with
+        ``stands``: a look from outside the watcher's round, such as the heartbeat's)
+        one that does not hold the candidacies it should."""
         target = self._target
-        if target is not None and target == self.successor():
+        if target is not None and target == self.successor() and (
+                not stands or set(self._stands) == self._taken):
             return
         self._nudge()
 
     async def _cancel_wait(self) -> None:
-        watcher = self._session
-        if watcher is not None and self._waiting:
-            with contextlib.suppress(SessionLost):
-                await self._call(query("member_cancel_watch"), watcher.backend_pid)
+        """Until the watcher has started a round after the last nudge (a round syncs
+        its stands and looks at its successor afresh): cancel its wait whenever it is
+        in one. One cancel is not enough: sent while the watcher is between two
+        statements (just before its wait, or while it runs another), the server
+        drops it, and the wait that follows may last as long as its target lives."""
+        watcher, pause, seen = self._session, 0.01, -1
+        try:
+            while (watcher is not None and watcher is self._session and self._looked < self._asked
+                   and not self._session_lost):
+                if seen != self._asked:  # a new nudge: quick again
+                    seen, pause = self._asked, 0.01
+                if self._waiting:
+                    try:
+                        await self._call(query("member_cancel_watch"), watcher.backend_pid)
+                    except SessionLost:
+                        return
+                    except Exception as exc:  # an operator's cancel of ours: ask again
+                        log.debug("member %r: cancelling the watcher's wait failed: %r", self._name, exc)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.25)
+        finally:
+            self._nudging = False
 
     async def _sync_stands(self, watcher: HolderConnection) -> None:
         """Hold the candidacy locks of what this member stands for, and only those."""
@@ -169,6 +197,7 @@ class RingWatch:
         watcher = self._session
         assert watcher is not None
         while True:
+            self._looked = self._asked
             if self._session_lost:
                 raise SessionLost("the member's watcher session is gone")
             try:
@@ -230,7 +259,7 @@ class RingWatch:
         ring = [int(i) for i in json.loads(await self._call(query("member_ring")))]
         gone = set(self.ids) - set(ring)
         self.ids = ring
-        self.retarget()
+        self.retarget(stands=False)  # the watcher syncs its stands next, in its new round
         return gone
 
     async def tell_predecessor(self) -> None:

@@ -300,6 +300,7 @@ async def test_semaphores_without_timeout_wait_past_lock_and_statement_timeout(
             assert (await show(conn, "lock_timeout"), await show(conn, "statement_timeout")) == (
                 "1s", "1500ms")
         await task
+        entered.clear()  # else the wait below returns before the second holder is in
         task = asyncio.ensure_future(first())
         await asyncio.wait_for(entered.wait(), 10)
         started = time.monotonic()
