@@ -1,0 +1,467 @@
+"""pgcoord.web over HTTP: a real uvicorn server, a real database, httpx as the client.
+
+Every page and its JSON twin show the state the test made; actions need access and a
+CSRF token; basic auth; bad input gets a 4xx with a clear message; the dashboard
+mounts in FastAPI and in Django's ASGI app; one sampler serves every open page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote
+
+import asyncpg
+import httpx
+import pytest
+
+import pgcoord
+import pgcoord.web
+
+from .conftest import sql, unique
+from .web_server import serve, serve_here
+
+
+@contextlib.asynccontextmanager
+async def leading(dsn: str, name: str, holder: str) -> AsyncIterator[pgcoord.Elector]:
+    elector = pgcoord.Elector(dsn, name, ttl=5.0, holder=holder)
+    task = asyncio.create_task(elector.run(lambda fence: asyncio.Event().wait()))
+    try:
+        async with asyncio.timeout(10):
+            while not elector.is_leader:
+                await asyncio.sleep(0.02)
+        yield elector
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture
+async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    yield p
+    await p.close()
+
+
+def add_slots(dsn: str, job: str, n: int) -> None:
+    sql(dsn, "insert into pgcoord.job_slots (job, slot_at, state, attempt, runner, started_at,"
+             " finished_at, error)"
+             " select %s, now() - make_interval(mins => g),"
+             " case when g = 1 then 'failed' else 'succeeded' end, 1, 'runner-a',"
+             " now() - make_interval(mins => g), now() - make_interval(mins => g) + interval '1s',"
+             " case when g = 1 then 'boom: it broke' end"
+             " from generate_series(1, %s) as g", job, n)
+
+
+def csrf_of(html: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', html)
+    assert found, "the page has no action form"
+    return found.group(1)
+
+
+async def test_every_page_and_its_json_twin_show_the_state_the_test_made(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    election, group, lock = unique("web-elect"), unique("web-group"), unique("web-lock")
+    job = unique("web-job")
+    sched = pgcoord.Scheduler(pool)
+    await sched.add(job, "*/5 * * * *", handler="web-handler", tz="Europe/Berlin")
+    add_slots(dsn, job, 3)
+
+    async def wait_for_lock() -> None:
+        async with pgcoord.exclusive(pool, lock):
+            pass
+
+    async with leading(dsn, election, "leader-a"), \
+            pgcoord.Member(dsn, group=group, name="member-one", meta={"zone": "eu-1"}), \
+            pgcoord.exclusive(pool, lock):
+        waiter = asyncio.create_task(wait_for_lock())
+        try:
+            async with asyncio.timeout(5):
+                while not sql(dsn, "select 1 from pgcoord.holders where name = %s and not granted", lock):
+                    await asyncio.sleep(0.02)
+            with serve(pgcoord.web.app(dsn)) as url:
+                async with httpx.AsyncClient(base_url=url) as client:
+                    await asyncio.sleep(1.05)  # a sample younger than the state
+                    overview = await client.get("/")
+                    assert overview.status_code == 200
+                    assert "Overview" in overview.text and "waits for" in overview.text
+                    api = (await client.get("/api/")).json()
+                    assert api["health"]["ok"] and api["counts"]["waiting"] >= 1
+                    assert api["counts"]["members"] >= 1 and api["counts"]["schedules"] >= 1
+                    assert any(a["kind"] == "lock_wait" and a["name"] == lock for a in api["alerts"])
+                    assert any(a["kind"] == "failing_schedule" and a["name"] == job for a in api["alerts"])
+
+                    page = (await client.get("/elections")).text
+                    assert election in page and "leader-a" in page and "Resign" in page
+                    lease = next(e for e in (await client.get("/api/elections")).json()["elections"]
+                                 if e["name"] == election)
+                    assert lease["holder"] == "leader-a" and lease["held"] and lease["fence"] >= 1
+                    assert lease["pid"] and lease["left_seconds"] > 0
+
+                    page = (await client.get("/members")).text
+                    assert group in page and "member-one" in page and "zone=eu-1" in page
+                    groups = (await client.get("/api/members")).json()["groups"]
+                    mine = next(g for g in groups if g["group"] == group)
+                    assert [m["name"] for m in mine["members"]] == ["member-one"]
+                    assert mine["members"][0]["meta"] == {"zone": "eu-1"}
+
+                    page = (await client.get("/locks")).text
+                    assert lock in page and "Who blocks whom" in page
+                    data = (await client.get("/api/locks")).json()
+                    rows = [r for r in data["locks"] if r["name"] == lock]
+                    assert sorted(r["granted"] for r in rows) == [False, True]
+                    held = next(r for r in rows if r["granted"])
+                    edge = next(e for e in data["waits_for"] if e["lock"] == lock)
+                    assert edge["blocker_pid"] == held["pid"]
+                    # The same rows `pgcoord status --json` prints, with the same keys.
+                    from pgcoord.cli.status import fetch_holders
+                    assert set(fetch_holders(dsn)[0]) <= set(rows[0])
+
+                    page = (await client.get("/schedules")).text
+                    assert job in page and "web-handler" in page and "Europe/Berlin" in page
+                    assert "Pause" in page and "Trigger" in page
+                    found = next(s for s in (await client.get("/api/schedules")).json()["schedules"]
+                                 if s["name"] == job)
+                    assert found["expr"] == "*/5 * * * *" and found["failing"] and not found["paused"]
+                    assert found["next_run_at"] and found["last_state"] == "failed"
+
+                    page = await client.get(f"/schedules/{quote(job, safe='')}")
+                    assert page.status_code == 200 and "boom: it broke" in page.text
+                    detail = (await client.get(f"/api/schedules/{quote(job, safe='')}")).json()
+                    assert detail["total"] == 3 and len(detail["slots"]) == 3
+                    assert detail["schedule"]["handler"] == "web-handler"
+        finally:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await waiter
+
+
+async def test_slot_history_is_paged_and_bad_page_numbers_get_a_4xx(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    job = unique("web-paged")
+    await pgcoord.Scheduler(pool).add(job, "* * * * *", handler="h")
+    add_slots(dsn, job, 120)
+    path = f"/schedules/{quote(job, safe='')}"
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            first = (await client.get("/api" + path)).json()
+            assert (first["page"], first["pages"], len(first["slots"])) == (1, 3, 50)
+            last = (await client.get("/api" + path, params={"page": 3})).json()
+            assert len(last["slots"]) == 20
+            assert last["slots"][-1]["slot_at"] < first["slots"][0]["slot_at"]
+            page2 = await client.get(path, params={"page": 2})
+            assert page2.status_code == 200 and "page 2 of 3" in page2.text
+            past = await client.get(path, params={"page": 4})
+            assert past.status_code == 404 and "page 4 is past the end: there are 3 pages" in past.text
+            assert "Traceback" not in past.text
+            for bad in ("0", "-1", "abc", "1.5", "", "²"):
+                r = await client.get(path, params={"page": bad})
+                assert r.status_code == 400, bad
+                assert "page must be a whole number" in r.text
+            r = await client.get("/api/schedules", params={"page": "99999999999999999999999"})
+            assert r.status_code == 404 and "past the end" in r.json()["error"]
+
+
+@pytest.mark.parametrize("name", ["100% done", "it's \"quoted\"", "zürich ☃", "a/b/c", "<b>x</b>", "x/"])
+async def test_names_with_odd_characters_have_their_page(
+        dsn: str, pool: asyncpg.Pool, name: str) -> None:
+    job = unique(name)
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            listing = (await client.get("/schedules")).text
+            assert f'/schedules/{quote(job, safe="")}"' in listing  # linked with every byte escaped
+            page = await client.get(f"/schedules/{quote(job, safe='')}")
+            assert page.status_code == 200
+            assert ">" + job.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") \
+                .replace('"', "&#34;").replace("'", "&#39;") + "<" in page.text
+            assert "<b>x</b>" not in page.text
+            api = (await client.get(f"/api/schedules/{quote(job, safe='')}")).json()
+            assert api["name"] == job and api["schedule"]["name"] == job
+
+
+async def test_unknown_and_impossible_names_get_a_clear_4xx(dsn: str) -> None:
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.get("/schedules/" + quote("no such 'job' ü/x", safe=""))
+            assert r.status_code == 404
+            assert "no schedule named &#34;no such &#39;job&#39; ü/x&#34;" in r.text \
+                or "no schedule named &#39;no such" in r.text or "no schedule named" in r.text
+            assert "Traceback" not in r.text
+            r = await client.get("/api/schedules/nope-" + unique("x"))
+            assert r.status_code == 404 and r.json()["error"].startswith("no schedule named")
+            r = await client.get("/schedules/a%00b")
+            assert r.status_code == 400 and "NUL" in r.text
+            r = await client.get("/no/such/page")
+            assert r.status_code == 404 and "Traceback" not in r.text
+            r = await client.get("/schedules/")
+            assert r.status_code == 303 and r.headers["location"].endswith("/schedules")
+            r = await client.post("/actions/delete-everything", data={"name": "x"})
+            assert r.status_code == 404 and "the actions are pause, resume, trigger, resign" in r.text
+
+
+async def _form(client: httpx.AsyncClient, path: str) -> str:
+    page = await client.get(path)
+    assert page.status_code == 200
+    return csrf_of(page.text)
+
+
+def paused(dsn: str, name: str) -> bool:
+    return bool(sql(dsn, "select paused from pgcoord.schedules where name = %s", name)[0][0])
+
+
+async def test_read_only_by_default_actions_get_403(dsn: str, pool: asyncpg.Pool) -> None:
+    job = unique("web-ro")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            page = (await client.get("/schedules")).text
+            assert 'disabled title="read-only: you may not pause here">Pause</button>' in page
+            token = await _form(client, "/schedules")
+            r = await client.post("/actions/pause", data={"name": job, "csrf": token})
+            assert r.status_code == 403 and "read-only" in r.text
+            assert not paused(dsn, job)
+
+
+async def test_actions_need_a_csrf_token_and_are_logged_with_who_did_them(
+        dsn: str, pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture) -> None:
+    job = unique("web-act")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    caplog.set_level(logging.INFO, logger="pgcoord.web")
+    with serve(pgcoord.web.app(dsn, access=lambda request: "all")) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            token = await _form(client, "/schedules")
+            # No token, a wrong one, and the right one without its cookie: refused.
+            for data, cookies in (({"name": job}, None), ({"name": job, "csrf": "0" * 64}, None),
+                                  ({"name": job, "csrf": token}, {"pgcoord_csrf": "another"})):
+                if cookies:
+                    client.cookies.clear()
+                    client.cookies.update(cookies)
+                r = await client.post("/actions/pause", data=data)
+                assert r.status_code == 403 and "CSRF check failed" in r.text
+                assert not paused(dsn, job)
+            client.cookies.clear()
+            token = await _form(client, "/schedules")
+            r = await client.post("/actions/pause", data={"name": job, "csrf": token,
+                                                          "next": "/schedules?page=1"})
+            assert r.status_code == 303 and r.headers["location"] == "/schedules?page=1"
+            assert paused(dsn, job)
+            r = await client.post("/actions/resume", data={"name": job, "csrf": token,
+                                                           "next": "https://evil.example/"})
+            assert r.status_code == 303 and r.headers["location"] == "/"
+            assert not paused(dsn, job)
+            r = await client.post("/actions/trigger", data={"name": job, "csrf": token},
+                                  headers={"accept": "application/json"})
+            assert r.status_code == 200 and r.json()["done"]
+            assert sql(dsn, "select count(*) from pgcoord.schedule_owed where name = %s", job)[0][0] == 1
+            r = await client.post("/actions/pause", data={"name": "no-" + job, "csrf": token})
+            assert r.status_code == 404 and "no schedule named" in r.text
+    records = [r.pgcoord for r in caplog.records if getattr(r, "pgcoord", {}).get("event") == "web_action"]
+    done = [(r["action"], r["outcome"]) for r in records if r["name"] == job]
+    assert done[-3:] == [("pause", "done"), ("resume", "done"), ("trigger", "done")]
+    assert all(r["by"].startswith("127.0.0.1:") for r in records)
+
+
+async def test_access_may_grant_some_actions(dsn: str, pool: asyncpg.Pool) -> None:
+    job = unique("web-some")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    with serve(pgcoord.web.app(dsn, access=lambda request: {"trigger"})) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            token = await _form(client, "/schedules")
+            r = await client.post("/actions/pause", data={"name": job, "csrf": token})
+            assert r.status_code == 403 and not paused(dsn, job)
+            r = await client.post("/actions/trigger", data={"name": job, "csrf": token})
+            assert r.status_code == 303
+
+
+async def test_resign_asks_the_leader_to_step_down(dsn: str) -> None:
+    election = unique("web-resign")
+    async with leading(dsn, election, "leader-r") as elector:
+        fence = elector.fence
+        with serve(pgcoord.web.app(dsn, access=lambda request: "all")) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                token = await _form(client, "/elections")
+                r = await client.post("/actions/resign", data={"name": election, "csrf": token})
+                assert r.status_code == 303
+                async with asyncio.timeout(5):
+                    while sql(dsn, "select fence from pgcoord.leases where name = %s", election)[0][0] == fence:
+                        await asyncio.sleep(0.02)
+                r = await client.post("/actions/resign", data={"name": "none-" + election, "csrf": token})
+                assert r.status_code == 404 and "no lease with a live holder" in r.text
+
+
+async def test_basic_auth_turns_away_requests_without_the_credentials(
+        dsn: str, pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    job = unique("web-auth")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    monkeypatch.setenv("PGCOORD_WEB_USER", "ops")
+    monkeypatch.setenv("PGCOORD_WEB_PASSWORD", "s3cret ü")
+    caplog.set_level(logging.INFO, logger="pgcoord.web")
+    with serve(pgcoord.web.app(dsn, access=lambda request: "all")) as url:
+        async with httpx.AsyncClient(base_url=url) as anonymous:
+            for path in ("/", "/api/locks", "/static/style.css", "/events"):
+                r = await anonymous.get(path)
+                assert r.status_code == 401, path
+                assert r.headers["www-authenticate"].startswith('Basic realm="pgcoord"')
+            r = await anonymous.get("/", auth=("ops", "wrong"))
+            assert r.status_code == 401
+        async with httpx.AsyncClient(base_url=url, auth=("ops", "s3cret ü")) as client:
+            assert (await client.get("/")).status_code == 200
+            token = await _form(client, "/schedules")
+            r = await client.post("/actions/pause", data={"name": job, "csrf": token})
+            assert r.status_code == 303 and paused(dsn, job)
+    by = [r.pgcoord["by"] for r in caplog.records if getattr(r, "pgcoord", {}).get("name") == job]
+    assert by == ["ops"]
+
+
+def test_basic_auth_needs_both_settings(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGCOORD_WEB_USER", "ops")
+    monkeypatch.delenv("PGCOORD_WEB_PASSWORD", raising=False)
+    with pytest.raises(ValueError, match="PGCOORD_WEB_PASSWORD"):
+        pgcoord.web.app(dsn)
+
+
+async def test_mounted_in_fastapi_the_links_carry_the_prefix(dsn: str, pool: asyncpg.Pool) -> None:
+    from fastapi import FastAPI
+
+    job = unique("web-fastapi")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    host = FastAPI()
+    dashboard = pgcoord.web.app(pool, access=lambda request: "all")
+    host.mount("/ops/pgcoord", dashboard)
+
+    @host.get("/hello")
+    def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    async with serve_here(host) as url, httpx.AsyncClient(base_url=url) as client:
+        if True:
+            assert (await client.get("/hello")).json() == {"hello": "world"}
+            page = await client.get("/ops/pgcoord/schedules")
+            assert page.status_code == 200 and job in page.text
+            assert 'href="/ops/pgcoord/elections"' in page.text
+            assert 'href="/ops/pgcoord/static/style.css"' in page.text
+            assert f'href="/ops/pgcoord/schedules/{quote(job, safe="")}"' in page.text
+            assert (await client.get("/ops/pgcoord/static/app.js")).status_code == 200
+            api = await client.get("/ops/pgcoord/api/schedules")
+            assert any(s["name"] == job for s in api.json()["schedules"])
+            token = csrf_of(page.text)
+            r = await client.post("/ops/pgcoord/actions/pause",
+                                  data={"name": job, "csrf": token, "next": "/ops/pgcoord/schedules"})
+            assert r.status_code == 303 and r.headers["location"] == "/ops/pgcoord/schedules"
+            assert paused(dsn, job)
+    await pgcoord.web.aclose(dashboard)
+
+
+async def test_mounted_in_django_through_its_asgi_router(dsn: str, pool: asyncpg.Pool) -> None:
+    from examples.recipes.django_asgi import application, configure
+
+    job = unique("web-django")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    configure(dsn)
+    with serve(application()) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            django = await client.get("/hello/")
+            assert django.status_code == 200 and django.text == "hello from django"
+            page = await client.get("/pgcoord/schedules")
+            assert page.status_code == 200 and job in page.text
+            assert 'href="/pgcoord/locks"' in page.text
+            api = await client.get(f"/pgcoord/api/schedules/{quote(job, safe='')}")
+            assert api.json()["schedule"]["name"] == job
+
+
+async def _sse_versions(client: httpx.AsyncClient, versions: list[str], opened: asyncio.Event) -> None:
+    async with client.stream("GET", "/events") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        opened.set()
+        async for line in stream.aiter_lines():
+            if line.startswith("data: "):
+                versions.append(line[6:])
+
+
+async def test_one_sampler_serves_every_open_page_and_stops_after_the_last(dsn: str) -> None:
+    dashboard = pgcoord.web.app(dsn)
+    sampler = dashboard.state.pgcoord_dashboard.sampler
+    with serve(dashboard) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            opened = [asyncio.Event() for _ in range(20)]
+            streams = [asyncio.create_task(_sse_versions(client, [], o)) for o in opened]
+            try:
+                async with asyncio.timeout(10):
+                    for o in opened:
+                        await o.wait()
+                assert sampler.listeners == 20 and sampler.loops_started == 1
+                before = sampler.readings
+                await asyncio.sleep(3.0)
+                # about one reading a second, whatever the number of open pages
+                assert 2 <= sampler.readings - before <= 4
+                for _ in range(20):  # pages rendered meanwhile use the same samples
+                    assert (await client.get("/locks")).status_code == 200
+                assert sampler.readings - before <= 5
+            finally:
+                for s in streams:
+                    s.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+            async with asyncio.timeout(5):
+                while sampler.listeners or sampler.running:
+                    await asyncio.sleep(0.05)
+
+
+async def test_a_change_reaches_an_open_stream_within_two_seconds(dsn: str, pool: asyncpg.Pool) -> None:
+    job = unique("web-live")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            versions: list[str] = []
+            opened = asyncio.Event()
+            stream = asyncio.create_task(_sse_versions(client, versions, opened))
+            try:
+                async with asyncio.timeout(5):
+                    while not versions:
+                        await asyncio.sleep(0.02)
+                await asyncio.sleep(1.2)
+                first = len(versions)
+                await pgcoord.Scheduler(pool).pause(job)
+                started = asyncio.get_running_loop().time()
+                async with asyncio.timeout(2.0):
+                    while len(versions) == first:
+                        await asyncio.sleep(0.02)
+                assert asyncio.get_running_loop().time() - started < 2.0
+                # and the page fragment the script fetches shows it
+                fragment = await client.get("/schedules", headers={"X-Pgcoord-Fragment": "1"})
+                assert "<html" not in fragment.text
+                assert fragment.headers["x-pgcoord-version"] == versions[-1]
+                row = re.search(rf'data-name="{re.escape(job)}">.*?</tr>', fragment.text, re.S)
+                assert row and "paused" in row.group(0)
+            finally:
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+
+
+def test_a_connection_is_refused_and_an_unknown_object_too(dsn: str) -> None:
+    import psycopg
+
+    with psycopg.connect(dsn) as conn, pytest.raises(TypeError, match="not one connection"):
+        pgcoord.web.app(conn)
+    with pytest.raises(pgcoord.UnsupportedConnection):
+        pgcoord.web.app(object())
+    with pytest.raises(TypeError, match="access must be a callable"):
+        pgcoord.web.app(dsn, access="all")  # type: ignore[arg-type]
+
+
+async def test_a_database_that_cannot_be_read_is_a_503_with_the_reason(pg_server: Any) -> None:
+    missing = pg_server.dsn("no_such_database_" + unique("x").split(":")[1])
+    with serve(pgcoord.web.app(missing)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            page = await client.get("/")
+            assert page.status_code == 200 and "The database could not be read" in page.text
+            api = await client.get("/api/locks")
+            assert api.status_code == 503 and not api.json()["health"]["ok"]
+            assert "no_such_database" in json.dumps(api.json())
