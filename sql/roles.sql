@@ -10,6 +10,8 @@
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_service;
 GRANT SELECT, INSERT ON pgcoord.lock_names TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE ON pgcoord.leases TO pgcoord_service;
+-- The history of leadership (pgcoord.lease_terms, migration 0009) is written by
+-- triggers on pgcoord.leases that run as the schema's owner: no grant needed.
 GRANT SELECT, INSERT, UPDATE ON pgcoord.jobs TO pgcoord_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.job_slots TO pgcoord_service;
 GRANT SELECT ON pgcoord.holders TO pgcoord_service;
@@ -34,6 +36,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_pauses TO pgcoord_servi
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_operator;
 GRANT SELECT ON pgcoord.holders TO pgcoord_operator;
 GRANT SELECT ON pgcoord.members TO pgcoord_operator;
+-- The history of leadership (the dashboard's /elections).
+GRANT SELECT ON pgcoord.lease_terms, pgcoord.lease_history TO pgcoord_operator;
 -- `pgcoord jobs` and `pgcoord jobs history` read these; pause/resume/trigger need the service role.
 GRANT SELECT ON pgcoord.schedules, pgcoord.job_slots TO pgcoord_operator;
 GRANT pg_read_all_stats TO pgcoord_operator;
