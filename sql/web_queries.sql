@@ -34,18 +34,20 @@ SELECT pg_catalog.json_build_object(
 
 -- name: web_terms_installed
 -- Whether the leadership history (migration 0009) is there to read.
-SELECT pg_catalog.to_regclass('pgcoord.lease_terms') IS NOT NULL
+SELECT pg_catalog.to_regclass('pgcoord.lease_history') IS NOT NULL
 
 -- name: web_terms
 -- The last $1 terms of every lease name, latest first: who held it, from when to
--- when, its fence, and how it ended (NULL while it runs).
+-- when, its fence, and how it ended (NULL while it runs). lease_history also ends
+-- a term that ran out unrecorded (expired, nobody took the lease since).
 SELECT coalesce(pg_catalog.json_agg(t ORDER BY t.name, t.fence DESC), '[]'::json)::text
 FROM (
     SELECT t.name, t.fence, t.holder, t.holder_pid, t.started_at, t.ended_at, t.ended_how,
            extract(epoch FROM coalesce(t.ended_at, pg_catalog.clock_timestamp()) - t.started_at)::float8
                AS held_seconds,
+           t.resign_requested_at,
            pg_catalog.row_number() OVER (PARTITION BY t.name ORDER BY t.fence DESC) AS n
-    FROM pgcoord.lease_terms AS t
+    FROM pgcoord.lease_history AS t
 ) AS t
 WHERE t.n <= $1
 

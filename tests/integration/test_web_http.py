@@ -294,6 +294,15 @@ async def test_resign_asks_the_leader_to_step_down(dsn: str) -> None:
                         await asyncio.sleep(0.02)
                 r = await client.post("/actions/resign", data={"name": "none-" + election, "csrf": token})
                 assert r.status_code == 404 and "no lease with a live holder" in r.text
+                # The term that ended shows in the leadership history: released when asked.
+                await asyncio.sleep(1.05)
+                shown = next(e for e in (await client.get("/api/elections")).json()["elections"]
+                             if e["name"] == election)
+                assert shown["terms"][-1]["fence"] == fence
+                assert shown["terms"][-1]["ended_how"] == "released"
+                assert shown["terms"][-1]["resign_requested_at"] is not None
+                page = (await client.get("/elections")).text
+                assert "Leadership history" in page and ">released<" in page
 
 
 async def test_basic_auth_turns_away_requests_without_the_credentials(
@@ -465,3 +474,46 @@ async def test_a_database_that_cannot_be_read_is_a_503_with_the_reason(pg_server
             api = await client.get("/api/locks")
             assert api.status_code == 503 and not api.json()["health"]["ok"]
             assert "no_such_database" in json.dumps(api.json())
+
+
+async def test_the_read_only_dashboard_runs_under_the_operator_role(fresh_db: str) -> None:
+    import uuid
+
+    import psycopg
+
+    import pgcoord.migrations
+    from pgcoord._core.resources import read_sql
+
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+    election, job = unique("web-ops"), unique("web-ops-job")
+    try:
+        async with leading(fresh_db, election, "leader-o"):
+            pool = await asyncpg.create_pool(fresh_db, min_size=1, max_size=2)
+            try:
+                await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+            finally:
+                await pool.close()
+            with serve(pgcoord.web.app(fresh_db.replace("postgres@", f"{operator}@"))) as url:
+                async with httpx.AsyncClient(base_url=url) as client:
+                    for path in ("/", "/elections", "/members", "/locks", "/schedules",
+                                 f"/schedules/{quote(job, safe='')}"):
+                        page = await client.get(path)
+                        assert page.status_code == 200, path
+                        assert "could not be read" not in page.text, (path, page.text)
+                        api = await client.get("/api" + path)
+                        assert api.status_code == 200, path
+                    shown = (await client.get("/api/elections")).json()
+                    assert shown["history"] and any(e["name"] == election and e["holder"] == "leader-o"
+                                                    for e in shown["elections"])
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
