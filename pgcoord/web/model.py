@@ -47,6 +47,13 @@ def is_part(name: str) -> bool:
     return _PART.match(name) is not None
 
 
+def internal(row: Row) -> bool:
+    """One of pgcoord's own session locks (an elector's doorbell, a candidacy, a
+    member's liveness lock and the watchers that wait on it): held and awaited by
+    design, so never an alert, and listed apart from the application's locks."""
+    return (row.get("name") or "").startswith("pgcoord.")
+
+
 def failing(row: Row) -> bool:
     return not row["paused"] and (row["failures_in_row"] > 0
                                   or row["last_state"] in ("failed", "abandoned"))
@@ -104,8 +111,8 @@ def _held_by(r: Row) -> str:
 
 
 def overview(sample: Sample) -> Row:
-    held = [r for r in sample.holders if r["granted"]]
-    waiting = [r for r in sample.holders if not r["granted"]]
+    held = [r for r in sample.holders if r["granted"] and not internal(r)]
+    waiting = [r for r in sample.holders if not r["granted"] and not internal(r)]
     failing_rows = [s for s in sample.schedules if failing(s)]
     no_leader = elections_without_leader(sample)
     lost = locks_lost(sample)
@@ -141,6 +148,7 @@ def overview(sample: Sample) -> Row:
             "failing": len(failing_rows),
             "running": kinds.get("job", 0),
             "locks_lost": len(lost),
+            "internal": sum(1 for r in sample.holders if internal(r)),
         },
         "alerts": alerts,
     }
@@ -199,7 +207,8 @@ def _label(r: Row) -> str:
 
 
 def locks(sample: Sample) -> Row:
-    rows = [r for r in sample.holders if r["kind"] in ("advisory", "semaphore")]
+    every = [r for r in sample.holders if r["kind"] in ("advisory", "semaphore")]
+    rows = [r for r in every if not internal(r)]
     holding: dict[int, list[Row]] = defaultdict(list)
     for r in sample.holders:
         if r["granted"] and r.get("pid") is not None:
@@ -216,7 +225,7 @@ def locks(sample: Sample) -> Row:
                 "waiting_seconds": w.get("age_seconds"), "blocker_pid": pid,
                 "blocker": (same or held or [{"holder": f"pid {pid}"}])[0]["holder"],
             })
-    return {"locks": rows, "waits_for": edges}
+    return {"locks": rows, "waits_for": edges, "internal": [r for r in every if internal(r)]}
 
 
 # -- schedules ------------------------------------------------------------------------------
