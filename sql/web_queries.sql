@@ -64,3 +64,45 @@ SELECT pg_catalog.json_build_object(
                     ORDER BY j.slot_at DESC LIMIT (SELECT p.size FROM p)
                     OFFSET (SELECT p.skip FROM p)) AS h)
 )::text
+
+-- name: web_schedules
+-- Every schedule for the sampler, lean (10,000 of them are read every second while a
+-- page is open): what the overview counts and what tells a page that a schedule
+-- changed or a slot started or ended. The failures in a row are counted only where
+-- the latest run failed (else there are none).
+SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(
+           x.name, x.paused, x.version, x.last_run_at, x.last_state, x.failures_in_row)
+       ORDER BY x.name), '[]')::text
+FROM (
+    SELECT s.name, s.paused, s.version, l.slot_at AS last_run_at, l.state AS last_state,
+           CASE WHEN l.state IN ('failed', 'abandoned') THEN
+               (SELECT count(*) FROM pgcoord.job_slots AS f
+                WHERE f.job = s.name AND f.state IN ('failed', 'abandoned')
+                  AND f.slot_at > coalesce((SELECT max(k.slot_at) FROM pgcoord.job_slots AS k
+                                            WHERE k.job = s.name AND k.state = 'succeeded'),
+                                           '-infinity'))::integer
+           ELSE 0 END AS failures_in_row
+    FROM pgcoord.schedules AS s
+    LEFT JOIN LATERAL (SELECT j.slot_at, j.state FROM pgcoord.job_slots AS j
+                       WHERE j.job = s.name ORDER BY j.slot_at DESC LIMIT 1) AS l ON true
+) AS x
+
+-- name: web_schedule_rows
+-- The schedules named in $1 as schedule_list gives them (`pgcoord jobs --json`): the
+-- rows of one page of /schedules.
+SELECT pg_catalog.clock_timestamp(), coalesce(pg_catalog.json_agg(x ORDER BY x.name), '[]')::text
+FROM (
+    SELECT s.name, s.handler, s.expr, s.tz, s.args, s.paused, s.on_crash, s.catch_up,
+           s.deadline, s.allow_overlap, s.timeout, s.max_attempts, s.in_code, s.since,
+           s.paused_at, s.created_at, s.updated_at, s.version,
+           l.slot_at AS last_run_at, l.state AS last_state, l.reason AS last_reason,
+           (SELECT count(*) FROM pgcoord.job_slots AS f
+            WHERE f.job = s.name AND f.state IN ('failed', 'abandoned')
+              AND f.slot_at > coalesce((SELECT max(k.slot_at) FROM pgcoord.job_slots AS k
+                                        WHERE k.job = s.name AND k.state = 'succeeded'),
+                                       '-infinity'))::integer AS failures_in_row
+    FROM pgcoord.schedules AS s
+    LEFT JOIN LATERAL (SELECT j.slot_at, j.state, j.reason FROM pgcoord.job_slots AS j
+                       WHERE j.job = s.name ORDER BY j.slot_at DESC LIMIT 1) AS l ON true
+    WHERE s.name = ANY (CAST($1 AS text[]))
+) AS x

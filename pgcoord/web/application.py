@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._core.queries import query
+from ..leases.statements import validate_name
 from ..scheduler.schedules import infos
 from . import model
 from .reader import Reader
@@ -143,18 +144,33 @@ def _page(template: str, build: Callable[[Sample, Request], dict[str, Any]]
     return html, api
 
 
-def _schedules(sample: Sample, request: Request) -> dict[str, Any]:
-    try:
-        return model.schedules(sample, _page_number(request))
-    except model.PageOutOfRange as exc:
-        raise HTTPException(404, str(exc)) from None
-
-
 overview, overview_api = _page("overview.html", lambda s, r: model.overview(s))
 elections, elections_api = _page("elections.html", lambda s, r: model.elections(s))
 members, members_api = _page("members.html", lambda s, r: model.members(s))
 locks, locks_api = _page("locks.html", lambda s, r: model.locks(s))
-schedules, schedules_api = _page("schedules.html", _schedules)
+
+
+async def _schedules_data(request: Request) -> tuple[Sample, dict[str, Any]]:
+    dash = _dash(request)
+    page = _page_number(request)
+    sample = await dash.sampler.current()
+    try:
+        names = model.schedule_names(sample, page)
+    except model.PageOutOfRange as exc:
+        raise HTTPException(404, str(exc)) from None
+    row = await dash.reader.row(query("web_schedule_rows"), (names,)) if names else None
+    now, rows = (row[0], row[1]) if row else (sample.now, "[]")
+    return sample, model.schedules(sample, page, now, rows)
+
+
+async def schedules(request: Request) -> Response:
+    sample, data = await _schedules_data(request)
+    return await _html(request, "schedules.html", sample, data)
+
+
+async def schedules_api(request: Request) -> Response:
+    sample, data = await _schedules_data(request)
+    return _json(sample, data)
 
 
 async def _schedule_data(request: Request) -> tuple[Sample, dict[str, Any]]:
@@ -244,7 +260,10 @@ async def action(request: Request) -> Response:
     if verb not in await allowed_actions(dash.access, request):
         _audit(verb, name, by, "refused: not allowed")
         raise HTTPException(403, f"{verb} is not allowed here: this dashboard is read-only for you")
-    done = await _perform(dash, verb, name)
+    try:
+        done = await _perform(dash, verb, name)
+    except ValueError as exc:  # a name pgcoord refuses
+        raise HTTPException(400, str(exc)) from None
     if not done:
         _audit(verb, name, by, "not found")
         what = "lease with a live holder" if verb == "resign" else "schedule"
@@ -274,14 +293,16 @@ async def _form(request: Request) -> dict[str, str]:
 
 async def _perform(dash: Dashboard, verb: str, name: str) -> bool:
     if verb == "resign":
-        from ..elector.resign import request_resign
-
-        source = await dash.reader.async_source()
-        if source is not None:
-            return await request_resign(source, name)
-        asked = bool(await dash.reader.value(query("lease_request_resign"), (name,)))
+        # What request_resign() runs (elector/resign.py), on the dashboard's own reader,
+        # which may be a sync pool too; the poke is a courtesy: without the right to
+        # signal the services' sessions the leader steps down at its next renewal.
+        asked = bool(await dash.reader.value(query("lease_request_resign"), (validate_name(name),)))
         if asked:
-            await dash.reader.value(query("lease_poke"), (name,))
+            try:
+                await dash.reader.value(query("lease_poke"), (name,))
+            except Exception as exc:
+                log.warning("pgcoord.web: resign %r asked; its candidates were not woken (%s): "
+                            "the leader steps down at its next renewal", name, exc)
         return asked
     if verb == "trigger":
         return await dash.reader.value(query("schedule_trigger"), (name,)) is not None

@@ -235,9 +235,14 @@ def schedule_json(info: ScheduleInfo) -> Row:
     return {k: v.isoformat() if isinstance(v, dt.datetime) else v for k, v in vars(info).items()}
 
 
-def schedules(sample: Sample, page: int) -> Row:
+def schedule_names(sample: Sample, page: int) -> list[str]:
+    """The names on page ``page`` of /schedules (PageOutOfRange past the end)."""
+    skip = check_page(page, len(sample.schedules), SCHEDULES_PER_PAGE)
+    return [s["name"] for s in sample.schedules[skip: skip + SCHEDULES_PER_PAGE]]
+
+
+def schedules(sample: Sample, page: int, now: dt.datetime, rows: Any) -> Row:
+    """One page of /schedules from its full rows (``web_schedule_rows``)."""
     total = len(sample.schedules)
-    skip = check_page(page, total, SCHEDULES_PER_PAGE)
-    shown = infos(sample.now, sample.schedules[skip: skip + SCHEDULES_PER_PAGE])
-    rows = [{**schedule_json(i), "failing": bool(i.error) or failing(vars(i))} for i in shown]
-    return {"schedules": rows, "page": page, "pages": pages(total, SCHEDULES_PER_PAGE), "total": total}
+    shown = [{**schedule_json(i), "failing": bool(i.error) or failing(vars(i))} for i in infos(now, rows)]
+    return {"schedules": shown, "page": page, "pages": pages(total, SCHEDULES_PER_PAGE), "total": total}

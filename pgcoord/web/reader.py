@@ -54,11 +54,6 @@ class Reader:
             return await asyncio.to_thread(_run_sync, source, sql, params)
         return await run_statement(source, sql, params)
 
-    async def async_source(self) -> Any:
-        """The async pool statements go through, or None for a sync one."""
-        source = await self._pool()
-        return None if self._sync else source
-
     async def value(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         row = await self.row(sql, params)
         return None if row is None else row[0]

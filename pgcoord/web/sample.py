@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import json
@@ -14,6 +15,8 @@ from .reader import Reader
 
 #: How many terms of each lease name the elections page shows.
 TERMS_SHOWN = 5
+
+SCHEDULE_FIELDS = ("name", "paused", "version", "last_run_at", "last_state", "failures_in_row")
 
 #: Fields that move on their own (clocks, renewals): a change in them alone is
 #: not news for an open page.
@@ -29,7 +32,8 @@ class Sample:
     holders: list[dict[str, Any]] = field(default_factory=list)
     leases: list[dict[str, Any]] = field(default_factory=list)
     members: list[dict[str, Any]] = field(default_factory=list)
-    #: The rows of the ``schedule_list`` query (``pgcoord jobs --json`` before next runs).
+    #: Every schedule, lean (``web_schedules``): name, paused, version, last_run_at,
+    #: last_state, failures_in_row. A page of /schedules reads its full rows itself.
     schedules: list[dict[str, Any]] = field(default_factory=list)
     #: The last terms of each lease name; None where the history is not installed.
     terms: list[dict[str, Any]] | None = None
@@ -51,11 +55,17 @@ def _strip(value: Any) -> Any:
     return value
 
 
-def fingerprint(sample: Sample) -> str:
+def fingerprint(sample: Sample, schedules_text: str = "") -> str:
+    """The sample's version. The schedules hold no clock, so their text as the
+    database sent it stands for them (hashing 10,000 rows' text costs a millisecond;
+    walking them would cost a hundred)."""
     content = {"holders": sample.holders, "leases": sample.leases, "members": sample.members,
-               "schedules": sample.schedules, "terms": sample.terms, "error": sample.error}
-    text = json.dumps(_strip(content), sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+               "terms": sample.terms, "error": sample.error}
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(json.dumps(_strip(content), sort_keys=True, default=str).encode())
+    digest.update(schedules_text.encode() if schedules_text else
+                  json.dumps(sample.schedules, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
 
 
 async def read_sample(reader: Reader, *, with_terms: bool | None) -> tuple[Sample, bool | None]:
@@ -64,28 +74,33 @@ async def read_sample(reader: Reader, *, with_terms: bool | None) -> tuple[Sampl
     failure is recorded in the sample, for the pages to show."""
     started = time.perf_counter()
     try:
-        raw = json.loads(await reader.value(query("web_sample")))
-        row = await reader.row(query("schedule_list"), (None,))
-        assert row is not None
-        schedules = json.loads(row[1]) if isinstance(row[1], str) else row[1]
+        raw_text = await reader.value(query("web_sample"))
+        schedules_text = await reader.value(query("web_schedules"))
         if with_terms is None:
             with_terms = bool(await reader.value(query("web_terms_installed")))
-        terms = None
-        if with_terms:
-            terms = json.loads(await reader.value(query("web_terms"), (TERMS_SHOWN,)))
+        terms_text = await reader.value(query("web_terms"), (TERMS_SHOWN,)) if with_terms else None
     except Exception as exc:
         sample = Sample(now=dt.datetime.now(dt.UTC), error=_explain(exc))
         sample.read_seconds = time.perf_counter() - started
         sample.version = fingerprint(sample)
         return sample, None
+    # Megabytes of JSON at 10,000 schedules: decoded off the event loop, which serves pages.
+    sample = await asyncio.to_thread(_decode, raw_text, schedules_text, terms_text)
+    sample.read_seconds = time.perf_counter() - started
+    return sample, with_terms
+
+
+def _decode(raw_text: str, schedules_text: str, terms_text: str | None) -> Sample:
+    raw = json.loads(raw_text)
     sample = Sample(
         now=dt.datetime.fromisoformat(raw["now"]), holders=raw["holders"], leases=raw["leases"],
-        members=raw["members"], schedules=schedules, terms=terms,
+        members=raw["members"], schedules=[dict(zip(SCHEDULE_FIELDS, r, strict=True))
+                                           for r in json.loads(schedules_text)],
+        terms=None if terms_text is None else json.loads(terms_text),
         server_version=raw["server_version"], database=raw["database"],
     )
-    sample.read_seconds = time.perf_counter() - started
-    sample.version = fingerprint(sample)
-    return sample, with_terms
+    sample.version = fingerprint(sample, schedules_text)
+    return sample
 
 
 def _explain(exc: BaseException) -> str:
