@@ -140,7 +140,6 @@ async def main(args: argparse.Namespace) -> None:
             elections = await timed(page("elections.html", lambda: model.elections(sample)), args.rounds)
             members_page = await timed(page("members.html", lambda: model.members(sample)), args.rounds)
             locks = await timed(page("locks.html", lambda: model.locks(sample)), args.rounds)
-            schedules = await timed(page("schedules.html", lambda: model.schedules(sample, 1)), args.rounds)
 
             app = pgcoord.web.app(dsn)
             transport = httpx.ASGITransport(app=app)
@@ -150,6 +149,8 @@ async def main(args: argparse.Namespace) -> None:
                 await client.get("/")
                 whole = await timed(lambda: client.get("/"), args.rounds)
                 api = await timed(lambda: client.get("/api/"), args.rounds)
+                schedules = await timed(lambda: client.get("/schedules"), args.rounds)
+                locks_get = await timed(lambda: client.get("/locks"), args.rounds)
             await pgcoord.web.aclose(app)
             await reader.aclose()
 
@@ -162,9 +163,10 @@ async def main(args: argparse.Namespace) -> None:
             print(row("render: elections", elections, base))
             print(row("render: members", members_page, base))
             print(row("render: locks", locks, base))
-            print(row("render: schedules, page 1 of 100", schedules, base))
             print(row("GET / through the ASGI app (sample cached)", whole, base))
             print(row("GET /api/ through the ASGI app", api, base))
+            print(row("GET /locks through the ASGI app", locks_get, base))
+            print(row("GET /schedules (page 1 of 100: reads its rows)", schedules, base))
 
             readings, loops, listeners = await fifty_pages(dsn, args.pages, args.seconds)
             print(f"\n{listeners} open pages (SSE) for {args.seconds:g} s: {readings} readings "

@@ -70,5 +70,6 @@ def run_web(args: argparse.Namespace) -> int:
     mode = "read-only" if args.read_only else "actions allowed"
     print(f"pgcoord web: http://{shown}:{args.port}/ ({mode}; basic auth {'on' if basic else 'off'}); "
           "Ctrl-C to stop", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # Open pages hold their event streams open: Ctrl-C cuts them after a second.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
     return 0
