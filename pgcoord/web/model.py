@@ -190,12 +190,16 @@ def members(sample: Sample) -> Row:
         m = _PART.match(r["name"] or "") if r["kind"] == "lease" and r["granted"] else None
         if m and r.get("pid") is not None:
             parts[r["pid"]][m["name"]].append(int(m["index"]))
+    holds: dict[int, int] = defaultdict(int)
+    for r in sample.holders:
+        if r["granted"] and r.get("pid") is not None:
+            holds[r["pid"]] += 1
     groups: dict[str, list[Row]] = defaultdict(list)
     for member in sample.members:
         held = parts.get(member["pid"], {})
         groups[member["group"]].append({
             **member, "partitions": {k: sorted(v) for k, v in sorted(held.items())},
-            "holds": sum(1 for r in sample.holders if r.get("pid") == member["pid"] and r["granted"]),
+            "holds": holds.get(member["pid"], 0),
         })
     return {"groups": [{"group": g, "members": ms} for g, ms in sorted(groups.items())]}
 

@@ -517,3 +517,41 @@ async def test_the_read_only_dashboard_runs_under_the_operator_role(fresh_db: st
                           f" where usename in ('{service}', '{operator}')")
             admin.execute(f"drop owned by {service}; drop owned by {operator};"
                           f" drop role {service}; drop role {operator}")
+
+
+@pytest.mark.parametrize("kind", ["psycopg ConnectionPool", "SQLAlchemy Engine",
+                                  "psycopg AsyncConnectionPool", "SQLAlchemy AsyncEngine"])
+async def test_every_kind_of_pool_serves_the_pages(dsn: str, pool: asyncpg.Pool, kind: str) -> None:
+    import psycopg_pool
+    import sqlalchemy
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    job = unique("web-pool")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    url = dsn.replace("postgresql://", "postgresql+psycopg://")
+    if kind == "psycopg ConnectionPool":
+        source: Any = psycopg_pool.ConnectionPool(dsn, min_size=1, max_size=2, open=True)
+        close: Any = source.close
+    elif kind == "SQLAlchemy Engine":
+        source = sqlalchemy.create_engine(url)
+        close = source.dispose
+    elif kind == "psycopg AsyncConnectionPool":
+        source = psycopg_pool.AsyncConnectionPool(dsn, min_size=1, max_size=2, open=False)
+        await source.open()
+        close = source.close
+    else:
+        source = create_async_engine(url)
+        close = source.dispose
+    try:
+        async with serve_here(pgcoord.web.app(source, access=lambda request: "all")) as base, \
+                httpx.AsyncClient(base_url=base) as client:
+            assert (await client.get("/api/locks")).status_code == 200
+            shown = (await client.get(f"/api/schedules/{quote(job, safe='')}")).json()
+            assert shown["schedule"]["name"] == job
+            token = await _form(client, "/schedules")
+            r = await client.post("/actions/pause", data={"name": job, "csrf": token})
+            assert r.status_code == 303 and paused(dsn, job)
+    finally:
+        result = close()
+        if asyncio.iscoroutine(result):
+            await result
