@@ -81,7 +81,7 @@ def _shoot(driver: WebDriver, name: str) -> None:
     # The whole page, not the window: the viewport is made as tall as the page.
     height = int(driver.execute_script("return document.documentElement.scrollHeight"))
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {  # type: ignore[attr-defined]
-        "width": 1360, "height": max(600, min(height, 2400)), "deviceScaleFactor": 1, "mobile": False})
+        "width": 1360, "height": max(600, min(height, 1500)), "deviceScaleFactor": 1, "mobile": False})
     try:
         driver.save_screenshot(str(Path(target) / f"{name}.png"))
     finally:

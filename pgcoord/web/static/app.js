@@ -23,7 +23,7 @@
       .then(function () { busy = false; if (again) { again = false; refresh(); } });
   }
 
-  if (window.EventSource) {
+  if (window.EventSource && version) {  // an error page has no version: nothing to follow
     var events = new EventSource(body.dataset.base + "/events");
     events.addEventListener("version", function (e) { if (e.data !== version) { refresh(); } });
     events.onopen = function () { say("live", "on"); };
