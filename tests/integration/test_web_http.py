@@ -369,21 +369,48 @@ async def test_mounted_in_fastapi_the_links_carry_the_prefix(dsn: str, pool: asy
     await pgcoord.web.aclose(dashboard)
 
 
-async def test_mounted_in_django_through_its_asgi_router(dsn: str, pool: asyncpg.Pool) -> None:
-    from examples.recipes.django_asgi import application, configure
+def test_mounted_in_django_through_its_asgi_router(dsn: str) -> None:
+    """The recipe's asgi.py, served by uvicorn in a process of its own (Django's
+    settings are process-wide)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
 
     job = unique("web-django")
-    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
-    configure(dsn)
-    with serve(application()) as url:
-        async with httpx.AsyncClient(base_url=url) as client:
-            django = await client.get("/hello/")
-            assert django.status_code == 200 and django.text == "hello from django"
-            page = await client.get("/pgcoord/schedules")
-            assert page.status_code == 200 and job in page.text
-            assert 'href="/pgcoord/locks"' in page.text
-            api = await client.get(f"/pgcoord/api/schedules/{quote(job, safe='')}")
-            assert api.json()["schedule"]["name"] == job
+    sql(dsn, "select pgcoord.schedule_add(%s, 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PGCOORD_DSN": dsn, "PYTHONPATH": str(root)}
+    env.pop("PGCOORD_WEB_USER", None)
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "examples.recipes.django_asgi:app",
+                             "--port", str(port), "--log-level", "warning"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                django = httpx.get(url + "/hello/", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the Django app did not start"
+                time.sleep(0.1)
+        assert django.status_code == 200 and django.text == "hello from django"
+        page = httpx.get(url + "/pgcoord/schedules")
+        assert page.status_code == 200 and job in page.text
+        assert 'href="/pgcoord/locks"' in page.text and 'href="/pgcoord/static/style.css"' in page.text
+        api = httpx.get(f"{url}/pgcoord/api/schedules/{quote(job, safe='')}")
+        assert api.json()["schedule"]["name"] == job
+        assert httpx.get(url + "/pgcoordx").status_code == 404  # Django's, not the dashboard's
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 async def _sse_versions(client: httpx.AsyncClient, versions: list[str], opened: asyncio.Event) -> None:
