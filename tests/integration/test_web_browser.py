@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -66,7 +68,22 @@ def chromium() -> Iterator[WebDriver]:
 
 
 def _wait(driver: WebDriver, condition: object, seconds: float = 5.0) -> object:
-    return WebDriverWait(driver, seconds, poll_frequency=0.05).until(condition)  # type: ignore[arg-type]
+    # A live update swaps <main> while the condition reads it: an element gone stale
+    # is read again.
+    return WebDriverWait(driver, seconds, poll_frequency=0.05,
+                         ignored_exceptions=(StaleElementReferenceException, NoSuchElementException),
+                         ).until(condition)  # type: ignore[arg-type]
+
+
+@contextmanager
+def serving(asgi_app: object, driver: WebDriver) -> Iterator[str]:
+    """``serve``, leaving the page before the server stops: an open page holds its
+    event stream, which the server would wait for."""
+    with serve(asgi_app) as url:
+        try:
+            yield url
+        finally:
+            driver.get("about:blank")
 
 
 def _text(driver: WebDriver) -> str:
@@ -98,7 +115,7 @@ def _status(driver: WebDriver, page: str) -> int:
 
 def test_every_page_loads_and_shows_the_fleet(fresh_db: str, browser: WebDriver) -> None:
     pgcoord.migrations.upgrade(fresh_db)
-    with scene(fresh_db), serve(pgcoord.web.app(fresh_db, access=lambda request: "all")) as url:
+    with scene(fresh_db), serving(pgcoord.web.app(fresh_db, access=lambda request: "all"), browser) as url:
         time.sleep(1.1)  # a sample of the whole scene
         browser.get(url + "/")
         text = _text(browser)
@@ -158,7 +175,7 @@ def test_a_killed_leader_is_replaced_in_the_open_page_without_a_reload(
         while not sql(fresh_db, "select holder from pgcoord.leases where name = %s and holder is not null", name):
             assert time.monotonic() < deadline, "no replica took the lead"
             time.sleep(0.05)
-        with serve(pgcoord.web.app(fresh_db)) as url:
+        with serving(pgcoord.web.app(fresh_db), browser) as url:
             browser.get(url + "/elections")
             _wait(browser, lambda d: d.find_element(By.ID, "live").text == "live")
             leader = str(sql(fresh_db, "select holder from pgcoord.leases where name = %s", name)[0][0])
@@ -184,7 +201,7 @@ def test_a_killed_leader_is_replaced_in_the_open_page_without_a_reload(
 def test_the_pause_button_pauses_a_schedule(dsn: str, browser: WebDriver) -> None:
     job = unique("browser-pause")
     sql(dsn, "select pgcoord.schedule_add(%s, 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
-    with serve(pgcoord.web.app(dsn, access=lambda request: "all")) as url:
+    with serving(pgcoord.web.app(dsn, access=lambda request: "all"), browser) as url:
         browser.get(url + "/schedules/" + quote(job, safe=""))
         browser.find_element(By.XPATH, "//button[normalize-space()='Pause']").click()
         _wait(browser, lambda d: d.find_elements(By.XPATH, "//button[normalize-space()='Resume']"))
@@ -199,7 +216,7 @@ def test_the_browser_meets_401_and_403(dsn: str, browser: WebDriver, monkeypatch
     sql(dsn, "select pgcoord.schedule_add(%s, 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
     monkeypatch.setenv("PGCOORD_WEB_USER", "ops")
     monkeypatch.setenv("PGCOORD_WEB_PASSWORD", "pw")
-    with serve(pgcoord.web.app(dsn)) as url:
+    with serving(pgcoord.web.app(dsn), browser) as url:
         browser.get_log("performance")  # drop what came before
         browser.get(url + "/")
         assert _status(browser, url + "/") == 401  # chromium asks for credentials, shows nothing

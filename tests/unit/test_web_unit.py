@@ -59,3 +59,41 @@ def test_names_become_one_path_segment_and_ages_read_short() -> None:
     assert views.segment("a/b %'\"ü") == "a%2Fb%20%25%27%22%C3%BC"
     assert [views.age(s) for s in (None, -1, 3.24, 125, 7200, 200000)] == \
         ["-", "0.0s", "3.2s", "2m 05s", "2.0h", "2.3d"]
+
+
+async def test_the_sampler_reads_at_most_once_an_interval_however_many_ask() -> None:
+    import asyncio
+    import datetime as dt
+
+    from pgcoord.web.sample import Sample
+    from pgcoord.web.sampler import Sampler
+
+    reads = 0
+
+    async def read() -> Sample:
+        nonlocal reads
+        reads += 1
+        await asyncio.sleep(0.05)
+        return Sample(now=dt.datetime.now(dt.UTC), version=str(reads // 3))
+
+    sampler = Sampler(read, interval=0.2)
+    first = await asyncio.gather(*(sampler.current() for _ in range(50)))
+    assert reads == 1 and len({id(s) for s in first}) == 1  # one reading, shared
+    # A page that goes away mid-reading cancels nobody else's.
+    await asyncio.sleep(0.25)
+    leaving = asyncio.create_task(sampler.current())
+    staying = asyncio.create_task(sampler.current())
+    await asyncio.sleep(0.01)
+    leaving.cancel()
+    assert (await staying) is not None and reads == 2
+    # Open pages: one loop, about one reading an interval, ended after the last.
+    started = asyncio.get_running_loop().time()
+    async with sampler.listening() as next_change, sampler.listening():
+        assert sampler.loops_started == 1 and sampler.listeners == 2
+        await next_change("no such version", 1.0)
+        await asyncio.sleep(1.0)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert reads - 2 <= elapsed / 0.2 + 1
+    await asyncio.sleep(0.3)
+    assert not sampler.running
+    await sampler.stop()
