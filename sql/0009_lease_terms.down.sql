@@ -1,6 +1,8 @@
 -- pgcoord 0009 down: no history of leadership; 0007's view (the names recorded
 -- in pgcoord.lock_names stay: they name the same keys).
 DROP TRIGGER lease_names_recorded ON pgcoord.leases;
+DROP TRIGGER member_names_forgotten ON pgcoord.member_sessions;
+DROP FUNCTION pgcoord.member_names_forget();
 DROP FUNCTION pgcoord.lease_names_record();
 DROP VIEW pgcoord.lease_history;
 DROP TRIGGER lease_terms_forgotten ON pgcoord.leases;

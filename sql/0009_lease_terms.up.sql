@@ -55,10 +55,10 @@ CREATE FUNCTION pgcoord.lease_terms_kept() RETURNS integer
 --                  died, its connection was cut, its member died;
 --   taken_over     a new fence while the term was still valid by its own rules
 --                  (unexpired, its session alive or none tied to it): pgcoord
---                  never does this itself; pgcoord.testing.take_lease and SQL
+--                  never does this itself; pgcoord.testing.take_leadership and SQL
 --                  written by hand do.
--- The session is looked up (pg_locks) only in the last case, where the takeover
--- itself has just looked it up: an expired takeover reads no pg_locks here. A term
+-- The session is looked up only for a takeover before the expiry, and in pg_locks
+-- only when its backend still exists: an expired takeover reads neither. A term
 -- ended by a takeover ends when the new one began (its acquired_at).
 --
 -- SECURITY DEFINER (as the owner of the schema, with search_path pinned): the
@@ -72,10 +72,18 @@ CREATE FUNCTION pgcoord.lease_terms_record() RETURNS trigger
     AS $body$
 DECLARE
     now_ timestamptz := pg_catalog.clock_timestamp();
-    kept integer := pgcoord.lease_terms_kept();
+    -- lease_terms_kept(), read here rather than called: a SQL function with a SET
+    -- clause is planned again at every call, which a takeover would pay for.
+    kept_setting text := pg_catalog.current_setting('pgcoord.lease_terms_kept', true);
+    kept integer := 50;
+    end_fence bigint;     -- the term that ends here, if any
     how text;
     ended timestamptz;
+    resign timestamptz;
 BEGIN
+    IF kept_setting ~ '^ *[0-9]{1,9} *$' THEN
+        kept := kept_setting::integer;
+    END IF;
     IF kept <= 0 THEN
         RETURN NULL;
     END IF;
@@ -86,14 +94,21 @@ BEGIN
              WHERE t.name = NEW.name AND t.fence = NEW.fence;
             RETURN NULL;
         END IF;
+        end_fence := OLD.fence;
+        resign := OLD.resign_requested_at;
         IF OLD.expires_at <= now_ THEN
             how := 'expired';
             ended := OLD.expires_at;
         ELSIF NEW.fence = OLD.fence THEN
             how := 'released';
             ended := now_;
+        -- Gone: of this server incarnation (another one's sessions cannot be looked
+        -- up, and count as alive), and either no such backend at all (cheap: the
+        -- backend status array, not the lock table) or one without the doorbell.
         ELSIF OLD.holder_pid IS NOT NULL
-              AND NOT pgcoord.lease_session_alive(OLD.name, OLD.holder_pid, OLD.holder_server) THEN
+              AND (OLD.holder_server IS NULL OR OLD.holder_server = pgcoord.server_incarnation())
+              AND (NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(OLD.holder_pid))
+                   OR NOT pgcoord.lease_session_alive(OLD.name, OLD.holder_pid, OLD.holder_server)) THEN
             how := 'session_ended';
         ELSE
             how := 'taken_over';
@@ -102,11 +117,16 @@ BEGIN
             -- Ended by the takeover itself: when the new term began.
             ended := LEAST(NEW.acquired_at, now_);
         END IF;
-        UPDATE pgcoord.lease_terms AS t
-           SET ended_at = ended, ended_how = how, resign_requested_at = OLD.resign_requested_at
-         WHERE t.name = OLD.name AND t.fence = OLD.fence AND t.ended_at IS NULL;
     END IF;
     IF NEW.holder IS NOT NULL AND (TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence) THEN
+        -- Simple statements, each planned once per session (plpgsql's generic
+        -- plans): one statement of data-modifying CTEs would be planned again at
+        -- every call, its cost depending on whether this call prunes.
+        IF end_fence IS NOT NULL THEN
+            UPDATE pgcoord.lease_terms AS t
+               SET ended_at = ended, ended_how = how, resign_requested_at = resign
+             WHERE t.name = NEW.name AND t.fence = end_fence AND t.ended_at IS NULL;
+        END IF;
         -- A fence is reused only when the row was deleted and made again: the new
         -- term replaces the forgotten one.
         INSERT INTO pgcoord.lease_terms AS t (name, fence, holder, holder_pid, started_at)
@@ -115,11 +135,17 @@ BEGIN
             SET holder = excluded.holder, holder_pid = excluded.holder_pid,
                 started_at = excluded.started_at, ended_at = NULL, ended_how = NULL,
                 resign_requested_at = NULL;
-        -- Retention: the last `kept` fences of this name. Fences grow by one per
-        -- term, so this deletes the one term that just fell out (an index range on
-        -- the primary key), or more after the setting was lowered.
-        DELETE FROM pgcoord.lease_terms AS t
-         WHERE t.name = NEW.name AND t.fence <= NEW.fence - kept;
+        -- Retention: the last `kept` fences of this name (fences grow by one per
+        -- term), pruned every 8th fence, 8 terms at a time (an index range on the
+        -- primary key), so a name holds at most kept + 7 terms.
+        IF pg_catalog.mod(NEW.fence, 8) = 0 THEN
+            DELETE FROM pgcoord.lease_terms AS t
+             WHERE t.name = NEW.name AND t.fence <= NEW.fence - kept;
+        END IF;
+    ELSIF end_fence IS NOT NULL THEN
+        UPDATE pgcoord.lease_terms AS t
+           SET ended_at = ended, ended_how = how, resign_requested_at = resign
+         WHERE t.name = NEW.name AND t.fence = end_fence AND t.ended_at IS NULL;
     END IF;
     RETURN NULL;
 END
@@ -206,6 +232,27 @@ FROM (SELECT 'pgcoord.elector:' || l.name AS name FROM pgcoord.leases AS l
       UNION ALL
       SELECT 'pgcoord.migrate') AS x
 ON CONFLICT (key) DO NOTHING;
+
+-- A member taking part in partitions names its participation lock
+-- 'pgcoord.partitions:<name>:<member id>' (sql/partition_queries.sql,
+-- partition_join): one name per member and partitions, forgotten here when the
+-- member's row goes (its tombstone is deleted a minute after it left), so that
+-- pgcoord.lock_names does not grow with every process ever started.
+CREATE FUNCTION pgcoord.member_names_forget() RETURNS trigger
+    LANGUAGE plpgsql
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+BEGIN
+    DELETE FROM pgcoord.lock_names AS n
+     WHERE pg_catalog.starts_with(n.name, 'pgcoord.partitions:')
+       AND n.name ~ (':' || OLD.id::text || '$');
+    RETURN NULL;
+END
+$body$;
+
+CREATE TRIGGER member_names_forgotten AFTER DELETE ON pgcoord.member_sessions
+    FOR EACH ROW EXECUTE FUNCTION pgcoord.member_names_forget();
 
 -- The view names the rest: a transactional job's lock and a member's alive lock.
 CREATE OR REPLACE VIEW pgcoord.holders AS

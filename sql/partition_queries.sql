@@ -9,8 +9,15 @@
 -- name: partition_join
 -- Take part in partitions $1 ($2 parts) as member $3: make sure every part's
 -- row exists (fence 0, no holder), hold the participation lock that says so
--- while this session lives, and tell the other participants.
+-- while this session lives, name it for pgcoord.holders (forgotten with the
+-- member's row: migration 0009), and tell the other participants.
 WITH p AS (SELECT CAST($1 AS text) AS name, CAST($2 AS integer) AS count, CAST($3 AS integer) AS member_id),
+named AS (
+    INSERT INTO pgcoord.lock_names (key, name)
+    SELECT pgcoord.lock_key(x.lname), x.lname
+    FROM (SELECT 'pgcoord.partitions:' || p.name || ':' || p.member_id AS lname FROM p) AS x
+    ON CONFLICT (key) DO NOTHING
+),
 made AS (
     INSERT INTO pgcoord.leases (name, holder, fence)
     SELECT p.name || '/' || g.i, NULL, 0 FROM p, pg_catalog.generate_series(0, p.count - 1) AS g(i)

@@ -67,9 +67,18 @@ SELECT pg_catalog.set_config('lock_timeout',
 -- name: lock_names_record
 INSERT INTO pgcoord.lock_names (key, name) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING
 
+-- name: lock_names_record_row
+-- lock_names_record for a session's fetchval (a LockHolder's): one row back on
+-- every driver (psycopg's fetch of a statement without rows raises).
+WITH recorded AS (
+    INSERT INTO pgcoord.lock_names (key, name) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*)::integer FROM recorded
+
 -- name: holders_list
 SELECT kind, name, key, holder, pid, application_name, client_addr::text AS client_addr,
-       granted, since, expires_at, fence, blocked_by, session_alive,
+       granted, since, expires_at, fence, blocked_by, session_alive, member, lane,
        extract(epoch FROM pg_catalog.now() - since)::float8 AS age_seconds,
        extract(epoch FROM expires_at - pg_catalog.now())::float8 AS expires_in_seconds
 FROM pgcoord.holders

@@ -63,7 +63,7 @@ from ..errors import (
     UnsupportedConnection,
 )
 from ..keys import LockKeyLike
-from ..locks.advisory import LockRequest, not_granted
+from ..locks.advisory import LockRequest, not_granted, recorded_names
 from ..observability import metrics
 from .carrier import Carrier
 
@@ -86,9 +86,26 @@ def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) 
 
 def _try_lock_with(request: Any) -> Callable[[Carrier], Awaitable[bool]]:
     async def attempt(main: Carrier) -> bool:
+        if request.name is not None and request.key not in recorded_names:
+            await _record_name(main, request)
         return bool(await main.try_lock(request))
 
     return attempt
+
+
+async def _record_name(main: Carrier, request: LockRequest) -> None:
+    """Name the key in pgcoord.lock_names before its first try in this process, so
+    that pgcoord.holders names the lock from its first grant. A statement of its own
+    (autocommit): never part of the lock's fate, and best effort: a missing schema,
+    a missing grant or a busy row leave the lock unnamed, never refused. Tried once
+    per key and process."""
+    try:
+        await main.call(query("lock_names_record_row"), request.key, request.name)
+    except Exception as exc:
+        if main.lost:
+            raise  # the session is gone: the caller tries the lock on a new one
+        log.debug("lock name %r not recorded: %s", request.name, exc)
+    recorded_names.add(request.key)
 
 
 class LockHolder:

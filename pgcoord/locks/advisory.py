@@ -27,9 +27,10 @@ __all__ = ["ExclusiveLock", "LockRequest", "exclusive"]
 
 log = logging.getLogger("pgcoord.locks")
 
-# Names recorded in pgcoord.lock_names by this process. Recording is best effort
-# and happens once per name, so later uses cost no extra round trip.
-_recorded_names: set[int] = set()
+# Keys whose names this process recorded in pgcoord.lock_names (or tried to): by
+# exclusive() and by session locks (LockHolder). Recording is best effort and
+# happens once per key, so later uses cost no extra round trip.
+recorded_names: set[int] = set()
 
 
 class LockRequest:
@@ -147,11 +148,11 @@ class ExclusiveLock(AsyncExclusive, SyncExclusive):
     def _needs_record(self) -> bool:
         return (
             self.request.name is not None and not self._joined
-            and self.request.key not in _recorded_names
+            and self.request.key not in recorded_names
         )
 
     def _record_statement(self) -> tuple[str, tuple[Any, ...]]:
         return query("lock_names_record"), (self.request.key, self.request.name)
 
     def _recorded(self) -> None:
-        _recorded_names.add(self.request.key)
+        recorded_names.add(self.request.key)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import asyncpg
@@ -20,8 +21,9 @@ import pytest
 import pgcoord
 import pgcoord.migrations
 import pgcoord.testing
+from pgcoord._core.resources import read_sql
 
-from .conftest import advisory_locks, sql, unique
+from .conftest import Server, advisory_locks, sql, unique
 
 # A child that leads `name` on its own session (an Elector(dsn)) or on a Member's,
 # prints LEAD <fence> and <pid of the session holding the lease>, then waits to die.
@@ -241,32 +243,39 @@ async def test_a_partition_part_records_terms_too(dsn: str) -> None:
 
 
 def test_retention_keeps_the_last_terms_of_each_name(dsn: str) -> None:
+    """The last `kept` fences of each name, pruned every 8th fence: never fewer than
+    kept, never more than kept + 7."""
     name, other = unique("terms-kept"), unique("terms-other")
+    counts = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("select pgcoord.lease_acquire(%s, 'x', 60000, null)", (other,))
         conn.execute("set pgcoord.lease_terms_kept = 5")
-        for i in range(1, 13):
+        for i in range(1, 17):
             conn.execute("select pgcoord.lease_acquire(%s, %s, 60000, null)", (name, f"h{i}"))
             conn.execute("select pgcoord.lease_release(%s, %s, %s)", (name, f"h{i}", i))
+            [(count,)] = conn.execute("select count(*) from pgcoord.lease_terms where name = %s",
+                                      (name,)).fetchall()
+            counts.append(count)
         assert conn.execute("select pgcoord.lease_terms_kept()").fetchone() == (5,)
         conn.execute("set pgcoord.lease_terms_kept = 'not a number'")  # never fails a takeover
-        conn.execute("select pgcoord.lease_acquire(%s, 'h13', 60000, null)", (name,))
+        conn.execute("select pgcoord.lease_acquire(%s, 'h17', 60000, null)", (name,))
         assert conn.execute("select pgcoord.lease_terms_kept()").fetchone() == (50,)
+    assert counts == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12, 5]
     kept = sql(dsn, "select fence, holder from pgcoord.lease_terms where name = %s order by fence", name)
-    assert kept == [(f, f"h{f}") for f in range(8, 14)]  # 5 kept at fence 12, then 50
+    assert kept == [(f, f"h{f}") for f in range(12, 18)]
     assert len(terms(dsn, other)) == 1  # other names keep theirs
 
 
 def test_the_default_keeps_fifty_and_zero_records_nothing(dsn: str) -> None:
     name, off = unique("terms-fifty"), unique("terms-off")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for i in range(1, 61):
+        for i in range(1, 65):
             conn.execute("select pgcoord.lease_acquire(%s, 'h', 60000, null)", (name,))
             conn.execute("select pgcoord.lease_release(%s, 'h', %s)", (name, i))
         conn.execute("set pgcoord.lease_terms_kept = 0")
         conn.execute("select pgcoord.lease_acquire(%s, 'h', 60000, null)", (off,))
     assert sql(dsn, "select min(fence), max(fence), count(*) from pgcoord.lease_terms"
-                    " where name = %s", name) == [(11, 60, 50)]
+                    " where name = %s", name) == [(15, 64, 50)]
     assert terms(dsn, off) == []
 
 
@@ -322,3 +331,38 @@ def test_every_function_0009_makes_pins_its_search_path(dsn: str) -> None:
     assert len(rows) == 4
     for proname, config in rows:
         assert config == ["search_path=pg_catalog, pgcoord, pg_temp"], proname
+
+
+def test_a_service_role_records_terms_without_a_grant_and_operators_read_them(
+        pg_server: Server, fresh_db: str) -> None:
+    """The triggers run as the schema's owner: roles.sql's service role takes and
+    releases a lease (recorded, with lock names) holding no grant on lease_terms; the
+    operator role reads the history and cannot write it."""
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+    base = fresh_db.replace("postgres@", "{}@")
+    try:
+        with psycopg.connect(base.format(service), autocommit=True) as svc:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                svc.execute("select * from pgcoord.lease_terms")
+            svc.execute("select pgcoord.lease_acquire('roles:terms', 's', 60000, null)")
+            svc.execute("select pgcoord.lease_release('roles:terms', 's', 1)")
+        with psycopg.connect(base.format(operator), autocommit=True) as ops:
+            assert ops.execute("select holder, ended_how from pgcoord.lease_history"
+                               " where name = 'roles:terms'").fetchall() == [("s", "released")]
+            assert ops.execute("select count(*) from pgcoord.lease_terms").fetchone() == (1,)
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                ops.execute("delete from pgcoord.lease_terms")
+        assert sql(fresh_db, "select name from pgcoord.lock_names where name like %s order by name",
+                   "%roles:terms") == [("pgcoord.candidate:roles:terms",), ("pgcoord.elector:roles:terms",)]
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
