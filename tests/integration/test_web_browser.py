@@ -140,6 +140,7 @@ def test_every_page_loads_and_shows_the_fleet(fresh_db: str, browser: WebDriver)
         browser.get(url + "/locks")
         text = _text(browser)
         assert "reindex-orders" in text and "partner-api" in text and "waits" in text
+        assert "rebuild-search-index" in text  # a LockHolder's lock on a member, by name
         _shoot(browser, "locks")
 
         browser.get(url + "/schedules")

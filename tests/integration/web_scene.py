@@ -53,6 +53,13 @@ async def _scene(dsn: str, ready: threading.Event, stop: asyncio.Event) -> None:
     lease = pgcoord.Lease(pool, "nightly-export", ttl=5.0, holder="export-7f3a")
     await lease.acquire()
     await lease.release()
+    # Some history for reports-leader: a term released, then one left to expire
+    # (the elector below takes over from it).
+    earlier = pgcoord.Lease(pool, "reports-leader", ttl=5.0, holder="reports-0")
+    await earlier.acquire()
+    await earlier.release()
+    await pool.execute("select pgcoord.lease_acquire('reports-leader', 'reports-2', 200, null)")
+    await asyncio.sleep(0.3)
     async with contextlib.AsyncExitStack() as stack:
         m1 = await stack.enter_async_context(pgcoord.Member(
             dsn, group="billing", name="billing-a", meta={"zone": "eu-west-1a", "version": "2.4.1"},
@@ -71,6 +78,7 @@ async def _scene(dsn: str, ready: threading.Event, stop: asyncio.Event) -> None:
         tasks.append(asyncio.create_task(reports.run(_never)))
         holder = await stack.enter_async_context(pgcoord.LockHolder(m3))
         await stack.enter_async_context(holder.semaphore("partner-api", limit=3))
+        await stack.enter_async_context(holder.lock("rebuild-search-index"))
         # Transaction-scope locks record their names for every session to read.
         holding = await asyncpg.create_pool(dsn, min_size=1, max_size=2,
                                             server_settings={"application_name": "reindex"})
