@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .._core.errmap import sqlstate
 from .._core.queries import query
 from ..leases.statements import validate_name
 from ..scheduler.schedules import infos
@@ -47,6 +48,7 @@ FRAGMENT_HEADER = "x-pgcoord-fragment"
 KEEPALIVE = 15.0
 #: Bytes an action's form may take.
 FORM_MAX = 16384
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 class Dashboard:
@@ -305,6 +307,12 @@ async def action(request: Request) -> Response:
         done = await _perform(dash, verb, name)
     except ValueError as exc:  # a name pgcoord refuses
         raise HTTPException(400, str(exc)) from None
+    except Exception as exc:
+        if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+            raise
+        _audit(verb, name, by, "refused by the database: " + str(exc).splitlines()[0])
+        raise HTTPException(403, f"the database refused to {verb} {name!r}: {str(exc).splitlines()[0]} "
+                                 "(the dashboard's role lacks a grant: see docs/web.md, Roles)") from None
     if not done:
         _audit(verb, name, by, "not found")
         what = "lease with a live holder" if verb == "resign" else "schedule"

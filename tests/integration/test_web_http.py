@@ -582,3 +582,91 @@ async def test_every_kind_of_pool_serves_the_pages(dsn: str, pool: asyncpg.Pool,
         result = close()
         if asyncio.iscoroutine(result):
             await result
+
+
+#: What docs/web.md says a dashboard's role needs for its actions, on top of the operator's.
+ACTION_GRANTS = """
+GRANT UPDATE ON pgcoord.schedules TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_pauses TO {role};
+GRANT SELECT, UPDATE ON pgcoord.schedule_epoch TO {role};
+GRANT SELECT, INSERT ON pgcoord.schedule_owed TO {role};
+GRANT UPDATE ON pgcoord.leases TO {role};
+"""
+
+
+async def test_the_action_grants_of_the_docs_are_enough(fresh_db: str) -> None:
+    import uuid
+
+    import psycopg
+
+    import pgcoord.migrations
+    from pgcoord._core.resources import read_sql
+
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+        admin.execute(ACTION_GRANTS.format(role=operator))
+    election, job = unique("web-grants"), unique("web-grants-job")
+    sql(fresh_db, "select pgcoord.schedule_add(%s, 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
+    try:
+        async with leading(fresh_db, election, "leader-g") as elector:
+            fence = elector.fence
+            with serve(pgcoord.web.app(fresh_db.replace("postgres@", f"{operator}@"),
+                                       access=lambda request: "all")) as url:
+                async with httpx.AsyncClient(base_url=url) as client:
+                    token = await _form(client, "/schedules")
+                    for verb in ("pause", "resume", "trigger"):
+                        r = await client.post(f"/actions/{verb}", data={"name": job, "csrf": token})
+                        assert r.status_code == 303, (verb, r.text)
+                    owed = sql(fresh_db, "select count(*) from pgcoord.schedule_owed where name = %s", job)
+                    assert owed == [(1,)]
+                    assert sql(fresh_db, "select count(*) from pgcoord.schedule_pauses where name = %s",
+                               job)[0][0] == 1
+                    r = await client.post("/actions/resign", data={"name": election, "csrf": token})
+                    assert r.status_code == 303, r.text
+                    async with asyncio.timeout(10):
+                        while sql(fresh_db, "select fence from pgcoord.leases where name = %s",
+                                  election)[0][0] == fence:
+                            await asyncio.sleep(0.05)
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
+
+
+async def test_an_action_the_role_may_not_do_is_a_403_naming_the_privilege(fresh_db: str) -> None:
+    import uuid
+
+    import psycopg
+
+    import pgcoord.migrations
+    from pgcoord._core.resources import read_sql
+
+    pgcoord.migrations.upgrade(fresh_db)
+    suffix = uuid.uuid4().hex[:6]
+    service, operator = f"svc_{suffix}", f"ops_{suffix}"
+    with psycopg.connect(fresh_db, autocommit=True) as admin:
+        admin.execute(f"create role {service} login; create role {operator} login")
+        admin.execute(read_sql("roles.sql").replace("pgcoord_service", service)
+                      .replace("pgcoord_operator", operator))
+    job = unique("web-denied")
+    sql(fresh_db, "select pgcoord.schedule_add(%s, 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)", job)
+    try:
+        with serve(pgcoord.web.app(fresh_db.replace("postgres@", f"{operator}@"),
+                                   access=lambda request: "all")) as url:
+            async with httpx.AsyncClient(base_url=url) as client:
+                token = await _form(client, "/schedules")
+                r = await client.post("/actions/trigger", data={"name": job, "csrf": token})
+                assert r.status_code == 403 and "permission denied" in r.text and "Roles" in r.text
+    finally:
+        with psycopg.connect(fresh_db, autocommit=True) as admin:
+            admin.execute(f"select pg_terminate_backend(pid) from pg_stat_activity"
+                          f" where usename in ('{service}', '{operator}')")
+            admin.execute(f"drop owned by {service}; drop owned by {operator};"
+                          f" drop role {service}; drop role {operator}")
