@@ -1,41 +1,30 @@
-"""The dashboard as an ASGI app: routes, errors, the live stream, the actions."""
+"""The dashboard as an ASGI app: its pages and their JSON twins, errors, and ``app()``
+which puts them together with the live stream (events.py), the actions (actions.py)
+and basic auth (auth.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._core.errmap import sqlstate
 from .._core.queries import query
-from ..leases.statements import validate_name
 from ..scheduler.schedules import infos
 from . import model
-from .reader import Reader
-from .sample import Sample, read_sample
-from .sampler import Sampler
-from .security import (
-    ACTIONS,
-    CSRF_COOKIE,
-    CSRF_FIELD,
-    Access,
-    Csrf,
-    allowed_actions,
-    basic_auth_from_env,
-    check_access,
-    check_basic,
-)
+from .actions import action
+from .auth import BasicAuth
+from .dashboard import Dashboard, base_of, check_name, dashboard_of, who
+from .events import EventStream
+from .sample import Sample
+from .security import CSRF_COOKIE, CSRF_FIELD, Access, allowed_actions, basic_auth_from_env
 from .views import render, static_file
 
 log = logging.getLogger("pgcoord.web")
@@ -44,52 +33,6 @@ log = logging.getLogger("pgcoord.web")
 PAGES = (("/", "Overview"), ("/elections", "Elections"), ("/members", "Members"),
          ("/locks", "Locks"), ("/schedules", "Schedules"))
 FRAGMENT_HEADER = "x-pgcoord-fragment"
-#: Seconds between keep-alive comments on an idle event stream.
-KEEPALIVE = 15.0
-#: Bytes an action's form may take.
-FORM_MAX = 16384
-INSUFFICIENT_PRIVILEGE = "42501"
-
-
-class Dashboard:
-    """The state one app holds: its reader, its sampler, its CSRF secret, its access."""
-
-    def __init__(self, source: Any, access: Access | None, basic: tuple[str, str] | None) -> None:
-        self.reader = Reader(source)
-        self.source = source
-        self.access = check_access(access)
-        self.basic = basic
-        self.csrf = Csrf()
-        self._with_terms: bool | None = None
-        self.sampler = Sampler(self._read)
-
-    async def _read(self) -> Sample:
-        sample, self._with_terms = await read_sample(self.reader, with_terms=self._with_terms)
-        return sample
-
-    async def aclose(self) -> None:
-        await self.sampler.stop()
-        await self.reader.aclose()
-
-
-# -- requests -------------------------------------------------------------------------------
-
-def _dash(request: Request) -> Dashboard:
-    dash: Dashboard = request.app.state.pgcoord_dashboard
-    return dash
-
-
-def _base(request: Request) -> str:
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
-def who(request: Request) -> str:
-    """Who asked: the basic-auth user, else the client's address."""
-    user = request.scope.get("pgcoord.user")
-    if user:
-        return str(user)
-    client = request.client
-    return f"{client.host}:{client.port}" if client else "unknown client"
 
 
 def _page_number(request: Request) -> int:
@@ -99,23 +42,15 @@ def _page_number(request: Request) -> int:
     return int(raw)
 
 
-def _check_name(name: str, what: str) -> str:
-    if not name:
-        raise HTTPException(400, f"a {what} name is needed")
-    if "\x00" in name:
-        raise HTTPException(400, f"a {what} name cannot contain a NUL character")
-    return name
-
-
 async def _html(request: Request, template: str, sample: Sample, data: dict[str, Any],
                 **extra: Any) -> Response:
-    dash = _dash(request)
+    dash = dashboard_of(request)
     allowed = await allowed_actions(dash.access, request)
     nonce = request.cookies.get(CSRF_COOKIE) or dash.csrf.new_nonce()
     fragment = request.headers.get(FRAGMENT_HEADER) == "1"
     body = render(
-        template, layout="fragment.html" if fragment else "base.html", base=_base(request),
-        path=request.url.path[len(_base(request)):] or "/", pages=PAGES, sample=sample, data=data,
+        template, layout="fragment.html" if fragment else "base.html", base=base_of(request),
+        path=request.url.path[len(base_of(request)):] or "/", pages=PAGES, sample=sample, data=data,
         allowed=allowed, csrf=dash.csrf.token(nonce), csrf_field=CSRF_FIELD, who=who(request),
         next_url=request.url.path + (f"?{request.url.query}" if request.url.query else ""),
         **extra,
@@ -123,7 +58,7 @@ async def _html(request: Request, template: str, sample: Sample, data: dict[str,
     response = HTMLResponse(body, headers={"X-Pgcoord-Version": sample.version,
                                            "Cache-Control": "no-store"})
     if request.cookies.get(CSRF_COOKIE) != nonce:
-        response.set_cookie(CSRF_COOKIE, nonce, path=(_base(request) or "") + "/", httponly=True,
+        response.set_cookie(CSRF_COOKIE, nonce, path=(base_of(request) or "") + "/", httponly=True,
                             samesite="strict")
     return response
 
@@ -137,11 +72,11 @@ def _json(sample: Sample, data: dict[str, Any]) -> Response:
 def _page(template: str, build: Callable[[Sample, Request], dict[str, Any]]
           ) -> tuple[Callable[[Request], Awaitable[Response]], Callable[[Request], Awaitable[Response]]]:
     async def html(request: Request) -> Response:
-        sample = await _dash(request).sampler.current()
+        sample = await dashboard_of(request).sampler.current()
         return await _html(request, template, sample, build(sample, request))
 
     async def api(request: Request) -> Response:
-        sample = await _dash(request).sampler.current()
+        sample = await dashboard_of(request).sampler.current()
         return _json(sample, build(sample, request))
 
     return html, api
@@ -154,7 +89,7 @@ locks, locks_api = _page("locks.html", lambda s, r: model.locks(s))
 
 
 async def _schedules_data(request: Request) -> tuple[Sample, dict[str, Any]]:
-    dash = _dash(request)
+    dash = dashboard_of(request)
     page = _page_number(request)
     sample = await dash.sampler.current()
     try:
@@ -177,8 +112,8 @@ async def schedules_api(request: Request) -> Response:
 
 
 async def _schedule_data(request: Request) -> tuple[Sample, dict[str, Any]]:
-    dash = _dash(request)
-    name = _check_name(request.path_params["name"], "schedule")
+    dash = dashboard_of(request)
+    name = check_name(request.path_params["name"], "schedule")
     page = _page_number(request)
     sample = await dash.sampler.current()
     row = await dash.reader.row(query("schedule_list"), (name,))
@@ -205,7 +140,7 @@ async def _schedule_data(request: Request) -> tuple[Sample, dict[str, Any]]:
 
 async def schedule(request: Request) -> Response:
     if not request.path_params["name"]:
-        return RedirectResponse(_base(request) + "/schedules", 303)
+        return RedirectResponse(base_of(request) + "/schedules", 303)
     sample, data = await _schedule_data(request)
     return await _html(request, "schedule.html", sample, data)
 
@@ -215,68 +150,6 @@ async def schedule_api(request: Request) -> Response:
     return _json(sample, data)
 
 
-# -- live -----------------------------------------------------------------------------------
-
-class EventStream:
-    """``/events``: server-sent events carrying the sample's version, sent again
-    whenever it changes, and a comment every KEEPALIVE seconds otherwise.
-
-    A bare ASGI endpoint rather than a streaming response, so that a page that goes
-    away (its ``http.disconnect``) ends the stream at once, and with it the page's
-    share of the sampler, whichever version of ASGI the server speaks."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sampler = _dash(Request(scope, receive)).sampler
-        gone = asyncio.Event()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone.set()
-
-        async with sampler.listening() as next_change:
-            watcher = asyncio.get_running_loop().create_task(watch(), name="pgcoord.web page gone?")
-            try:
-                sample = await sampler.current()
-                await send({"type": "http.response.start", "status": 200, "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]})
-                await self._send(send, f"retry: 1000\nevent: version\ndata: {sample.version}\n\n")
-                while True:
-                    new = await _until_gone(next_change(sample.version, KEEPALIVE), gone)
-                    if new is None:
-                        return
-                    if new.version == sample.version:
-                        await self._send(send, ": still here\n\n")
-                    else:
-                        await self._send(send, f"event: version\ndata: {new.version}\n\n")
-                    sample = new
-            except OSError:  # the page went away mid-send (ASGI 2.4 servers tell it so)
-                return
-            finally:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
-
-    @staticmethod
-    async def _send(send: Send, text: str) -> None:
-        await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-
-
-async def _until_gone(waiting: Awaitable[Sample], gone: asyncio.Event) -> Sample | None:
-    """``waiting``'s sample, or None once the page is gone (``waiting`` is cancelled)."""
-    task = asyncio.ensure_future(waiting)
-    stop = asyncio.get_running_loop().create_task(gone.wait())
-    try:
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, stop, return_exceptions=True)
-    return None if gone.is_set() or task.cancelled() else task.result()
-
-
 async def static(request: Request) -> Response:
     name = request.path_params["file"]
     types = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
@@ -284,95 +157,6 @@ async def static(request: Request) -> Response:
         raise HTTPException(404, f"no static file {name!r}")
     return Response(static_file(name), media_type=types[name],
                     headers={"Cache-Control": "public, max-age=300"})
-
-
-# -- actions --------------------------------------------------------------------------------
-
-async def action(request: Request) -> Response:
-    dash = _dash(request)
-    verb = request.path_params["action"]
-    if verb not in ACTIONS:
-        raise HTTPException(404, f"no action {verb!r}: the actions are {', '.join(ACTIONS)}")
-    form = await _form(request)
-    name = _check_name(str(form.get("name") or ""), "lease" if verb == "resign" else "schedule")
-    by = who(request)
-    if not dash.csrf.valid(request.cookies.get(CSRF_COOKIE), str(form.get(CSRF_FIELD) or "")):
-        _audit(verb, name, by, "refused: bad CSRF token")
-        raise HTTPException(403, "CSRF check failed: the form's token does not match this browser's "
-                                 "cookie (reload the page and try again)")
-    if verb not in await allowed_actions(dash.access, request):
-        _audit(verb, name, by, "refused: not allowed")
-        raise HTTPException(403, f"{verb} is not allowed here: this dashboard is read-only for you")
-    try:
-        done = await _perform(dash, verb, name)
-    except ValueError as exc:  # a name pgcoord refuses
-        raise HTTPException(400, str(exc)) from None
-    except Exception as exc:
-        if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
-            raise
-        _audit(verb, name, by, "refused by the database: " + str(exc).splitlines()[0])
-        raise HTTPException(403, f"the database refused to {verb} {name!r}: {str(exc).splitlines()[0]} "
-                                 "(the dashboard's role lacks a grant: see docs/web.md, Roles)") from None
-    if not done:
-        _audit(verb, name, by, "not found")
-        what = "lease with a live holder" if verb == "resign" else "schedule"
-        raise HTTPException(404, f"no {what} named {name!r}")
-    _audit(verb, name, by, "done")
-    if "application/json" in request.headers.get("accept", ""):
-        return JSONResponse({"action": verb, "name": name, "by": by, "done": True})
-    return RedirectResponse(_safe_next(request, str(form.get("next") or "")), 303)
-
-
-async def _form(request: Request) -> dict[str, str]:
-    """The action's urlencoded form (no multipart library needed for four fields)."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind != "application/x-www-form-urlencoded":
-        raise HTTPException(415, "an action is a form post (application/x-www-form-urlencoded)")
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > FORM_MAX:
-            raise HTTPException(413, f"an action's form is at most {FORM_MAX} bytes")
-    try:
-        fields = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=10)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise HTTPException(400, f"the form cannot be read: {exc}") from None
-    return {k: v[-1] for k, v in fields.items()}
-
-
-async def _perform(dash: Dashboard, verb: str, name: str) -> bool:
-    if verb == "resign":
-        # What request_resign() runs (elector/resign.py), on the dashboard's own reader,
-        # which may be a sync pool too; the poke is a courtesy: without the right to
-        # signal the services' sessions the leader steps down at its next renewal.
-        asked = bool(await dash.reader.value(query("lease_request_resign"), (validate_name(name),)))
-        if asked:
-            try:
-                await dash.reader.value(query("lease_poke"), (name,))
-            except Exception as exc:
-                log.warning("pgcoord.web: resign %r asked; its candidates were not woken (%s): "
-                            "the leader steps down at its next renewal", name, exc)
-        return asked
-    if verb == "trigger":
-        return await dash.reader.value(query("schedule_trigger"), (name,)) is not None
-    if verb == "pause":
-        return bool(await dash.reader.value(query("schedule_pause"), (name,)))
-    return bool(await dash.reader.value(query("schedule_resume"), (name, "none")))
-
-
-def _audit(verb: str, name: str, by: str, outcome: str) -> None:
-    log.info("pgcoord.web: %s %r by %s: %s", verb, name, by, outcome,
-             extra={"pgcoord": {"event": "web_action", "action": verb, "name": name, "by": by,
-                                "outcome": outcome}})
-
-
-def _safe_next(request: Request, target: str) -> str:
-    """Back to the page the form was on, never to another site."""
-    base = _base(request)
-    if target.startswith((base + "/") if base else "/") and not target.startswith("//") \
-            and "\\" not in target and "\r" not in target and "\n" not in target:
-        return target
-    return base + "/"
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -388,36 +172,12 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 def _error(request: Request, status: int, detail: str, headers: Any = None) -> Response:
-    path = request.url.path[len(_base(request)):]
+    path = request.url.path[len(base_of(request)):]
     if path.startswith("/api") or "application/json" in request.headers.get("accept", ""):
         return JSONResponse({"error": detail, "status": status}, status_code=status, headers=headers)
-    body = render("error.html", layout="base.html", base=_base(request), path=path, pages=PAGES,
+    body = render("error.html", layout="base.html", base=base_of(request), path=path, pages=PAGES,
                   status=status, detail=detail, sample=None)
     return HTMLResponse(body, status_code=status, headers=headers)
-
-
-# -- basic auth -----------------------------------------------------------------------------
-
-class BasicAuth:
-    """401 for any request without the configured credentials (static files too)."""
-
-    def __init__(self, app: ASGIApp, credentials: tuple[str, str]) -> None:
-        self.app, self.credentials = app, credentials
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        header = dict(scope.get("headers") or ()).get(b"authorization")
-        user = check_basic(header.decode("latin-1") if header else None, self.credentials)
-        if user is None:
-            response = Response("pgcoord: this dashboard needs a user name and password\n",
-                                status_code=401, media_type="text/plain",
-                                headers={"WWW-Authenticate": 'Basic realm="pgcoord", charset="UTF-8"'})
-            await response(scope, receive, send)
-            return
-        scope["pgcoord.user"] = user
-        await self.app(scope, receive, send)
 
 
 # -- the app --------------------------------------------------------------------------------
