@@ -162,7 +162,7 @@ async def main(args: argparse.Namespace) -> None:
             print(row("render: overview (model + template)", overview, base))
             print(row("render: elections", elections, base))
             print(row("render: members", members_page, base))
-            print(row("render: locks", locks, base))
+            print(row("render: locks (page 1 of 6)", locks, base))
             print(row("GET / through the ASGI app (sample cached)", whole, base))
             print(row("GET /api/ through the ASGI app", api, base))
             print(row("GET /locks through the ASGI app", locks_get, base))

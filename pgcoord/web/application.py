@@ -85,7 +85,14 @@ def _page(template: str, build: Callable[[Sample, Request], dict[str, Any]]
 overview, overview_api = _page("overview.html", lambda s, r: model.overview(s))
 elections, elections_api = _page("elections.html", lambda s, r: model.elections(s))
 members, members_api = _page("members.html", lambda s, r: model.members(s))
-locks, locks_api = _page("locks.html", lambda s, r: model.locks(s))
+def _locks(sample: Sample, request: Request) -> dict[str, Any]:
+    try:
+        return model.locks(sample, _page_number(request))
+    except model.PageOutOfRange as exc:
+        raise HTTPException(404, str(exc)) from None
+
+
+locks, locks_api = _page("locks.html", _locks)
 
 
 async def _schedules_data(request: Request) -> tuple[Sample, dict[str, Any]]:

@@ -20,6 +20,7 @@ NO_LEADER_WINDOW = dt.timedelta(minutes=15)
 #: Terms that ended this badly this recently count as locks lost.
 LOST_WINDOW = dt.timedelta(minutes=15)
 SCHEDULES_PER_PAGE = 100
+LOCKS_PER_PAGE = 200
 SLOTS_PER_PAGE = 50
 #: The alerts of one kind listed on the overview (the count says how many in all).
 ALERTS_SHOWN = 20
@@ -210,7 +211,9 @@ def _label(r: Row) -> str:
     return r["name"] if r["name"] is not None else f"#{r['key']}"
 
 
-def locks(sample: Sample) -> Row:
+def locks(sample: Sample, page: int = 1) -> Row:
+    """Page ``page`` of the application's holders and waiters (waiters first), the
+    whole wait-for graph, and pgcoord's own locks."""
     every = [r for r in sample.holders if r["kind"] in ("advisory", "semaphore")]
     rows = [r for r in every if not internal(r)]
     holding: dict[int, list[Row]] = defaultdict(list)
@@ -229,7 +232,11 @@ def locks(sample: Sample) -> Row:
                 "waiting_seconds": w.get("age_seconds"), "blocker_pid": pid,
                 "blocker": (same or held or [{"holder": f"pid {pid}"}])[0]["holder"],
             })
-    return {"locks": rows, "waits_for": edges, "internal": [r for r in every if internal(r)]}
+    skip = check_page(page, len(rows), LOCKS_PER_PAGE)
+    ordered = [r for r in rows if not r["granted"]] + [r for r in rows if r["granted"]]
+    return {"locks": ordered[skip: skip + LOCKS_PER_PAGE], "waits_for": edges,
+            "internal": [r for r in every if internal(r)], "page": page,
+            "pages": pages(len(rows), LOCKS_PER_PAGE), "total": len(rows)}
 
 
 # -- schedules ------------------------------------------------------------------------------

@@ -200,6 +200,8 @@ async def test_unknown_and_impossible_names_get_a_clear_4xx(dsn: str) -> None:
             assert r.status_code == 400 and "NUL" in r.text
             r = await client.get("/no/such/page")
             assert r.status_code == 404 and "Traceback" not in r.text
+            r = await client.get("/api/locks", params={"page": 999})
+            assert r.status_code == 404 and "page 999 is past the end" in r.json()["error"]
             r = await client.get("/schedules/")
             assert r.status_code == 303 and r.headers["location"].endswith("/schedules")
             r = await client.post("/actions/delete-everything", data={"name": "x"})
