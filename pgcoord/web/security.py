@@ -42,7 +42,7 @@ def check_basic(header: str | None, expected: tuple[str, str]) -> str | None:
         return None
     try:
         decoded = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except (binascii.Error, UnicodeDecodeError, ValueError):  # ValueError: non-ASCII in the header
         return None
     user, sep, password = decoded.partition(":")
     ok_user = hmac.compare_digest(user.encode(), expected[0].encode())
