@@ -81,7 +81,6 @@ async def fifty_pages(dsn: str, pages: int, seconds: float) -> tuple[int, int, i
     from tests.integration.web_server import serve
 
     app = pgcoord.web.app(dsn)
-    sampler = app.state.pgcoord_dashboard.sampler
     with serve(app) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60,
                                      limits=httpx.Limits(max_connections=pages + 5)) as client:
@@ -99,6 +98,7 @@ async def fifty_pages(dsn: str, pages: int, seconds: float) -> tuple[int, int, i
             tasks = [asyncio.create_task(page()) for _ in range(pages)]
             while opened < pages:
                 await asyncio.sleep(0.05)
+            sampler = app.state.pgcoord_dashboard.latest.sampler
             before = sampler.readings
             await asyncio.sleep(seconds)
             readings = sampler.readings - before
@@ -144,7 +144,7 @@ async def main(args: argparse.Namespace) -> None:
             app = pgcoord.web.app(dsn)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
-                sampler = app.state.pgcoord_dashboard.sampler
+                sampler = app.state.pgcoord_dashboard.sampler  # this loop's share
                 sampler.interval = 3600.0  # one reading, then every GET is the render alone
                 await client.get("/")
                 whole = await timed(lambda: client.get("/"), args.rounds)

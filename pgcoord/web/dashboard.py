@@ -3,36 +3,52 @@ request says about where and who it is."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from . import shared
 from .reader import Reader
-from .sample import Sample, read_sample
 from .sampler import Sampler
 from .security import Access, Csrf, check_access
 
 
 class Dashboard:
-    """The state one app holds: its reader, its sampler, its CSRF secret, its access."""
+    """The state one app holds: its CSRF secret, its access, and its share of the
+    process's reader and sampler for its source (shared.py)."""
 
     def __init__(self, source: Any, access: Access | None, basic: tuple[str, str] | None) -> None:
-        self.reader = Reader(source)
+        Reader(source)  # refuses what cannot be read from, at app()
         self.source = source
         self.access = check_access(access)
         self.basic = basic
         self.csrf = Csrf()
-        self._with_terms: bool | None = None
-        self.sampler = Sampler(self._read)
+        #: The share taken last (tests and the benchmark look at its sampler).
+        self.latest: shared.Shared | None = None
 
-    async def _read(self) -> Sample:
-        sample, self._with_terms = await read_sample(self.reader, with_terms=self._with_terms)
-        return sample
+    def _share(self) -> shared.Shared:
+        entry = self.latest
+        loop = asyncio.get_running_loop()
+        if entry is None or entry.key[1] is not loop or not shared.live(entry):
+            if entry is not None:  # served again, on another loop: the old share is done
+                shared.forget(entry, self)
+            entry = self.latest = shared.acquire(self.source, self)
+        return entry
+
+    @property
+    def reader(self) -> Reader:
+        return self._share().reader
+
+    @property
+    def sampler(self) -> Sampler:
+        return self._share().sampler
 
     async def aclose(self) -> None:
-        await self.sampler.stop()
-        await self.reader.aclose()
+        entry, self.latest = self.latest, None
+        if entry is not None:
+            await shared.release(entry, self)
 
 
 def dashboard_of(request: Request) -> Dashboard:

@@ -415,8 +415,9 @@ def test_mounted_in_django_through_its_asgi_router(dsn: str) -> None:
         proc.wait(10)
 
 
-async def _sse_versions(client: httpx.AsyncClient, versions: list[str], opened: asyncio.Event) -> None:
-    async with client.stream("GET", "/events") as stream:
+async def _sse_versions(client: httpx.AsyncClient, versions: list[str], opened: asyncio.Event,
+                        path: str = "/events") -> None:
+    async with client.stream("GET", path) as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         opened.set()
         async for line in stream.aiter_lines():
@@ -424,9 +425,13 @@ async def _sse_versions(client: httpx.AsyncClient, versions: list[str], opened: 
                 versions.append(line[6:])
 
 
+def _shares_of(dsn: str) -> list[Any]:
+    from pgcoord.web import shared
+    return [e for e in shared.entries() if e.key[0] == ("dsn", dsn)]
+
+
 async def test_one_sampler_serves_every_open_page_and_stops_after_the_last(dsn: str) -> None:
     dashboard = pgcoord.web.app(dsn)
-    sampler = dashboard.state.pgcoord_dashboard.sampler
     with serve(dashboard) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             opened = [asyncio.Event() for _ in range(20)]
@@ -435,6 +440,7 @@ async def test_one_sampler_serves_every_open_page_and_stops_after_the_last(dsn: 
                 async with asyncio.timeout(10):
                     for o in opened:
                         await o.wait()
+                sampler = dashboard.state.pgcoord_dashboard.latest.sampler
                 assert sampler.listeners == 20 and sampler.loops_started == 1
                 before = sampler.readings
                 await asyncio.sleep(3.0)
@@ -450,6 +456,49 @@ async def test_one_sampler_serves_every_open_page_and_stops_after_the_last(dsn: 
             async with asyncio.timeout(5):
                 while sampler.listeners or sampler.running:
                     await asyncio.sleep(0.05)
+
+
+async def test_two_apps_on_one_database_in_one_process_share_one_sampler(dsn: str) -> None:
+    """DESIGN §12: at most one reading a second per process, whatever the number of
+    apps: two dashboards mounted in one host over the same DSN read through one
+    sampler (and one pool); it goes when the last app shuts down."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    first, second = pgcoord.web.app(dsn), pgcoord.web.app(dsn)
+    host = Starlette(routes=[Mount("/a", first), Mount("/b", second)])
+    with serve(host) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            opened = [asyncio.Event() for _ in range(10)]
+            streams = [asyncio.create_task(_sse_versions(client, [], o, f"/{'ab'[i % 2]}/events"))
+                       for i, o in enumerate(opened)]
+            try:
+                async with asyncio.timeout(10):
+                    for o in opened:
+                        await o.wait()
+                shares = _shares_of(dsn)
+                assert len(shares) == 1 and shares[0].users == {id(first.state.pgcoord_dashboard),
+                                                                 id(second.state.pgcoord_dashboard)}
+                sampler = shares[0].sampler
+                assert sampler.listeners == 10 and sampler.loops_started == 1
+                before = sampler.readings
+                await asyncio.sleep(3.0)
+                assert 2 <= sampler.readings - before <= 4
+                assert (await client.get("/a/")).status_code == 200
+                assert (await client.get("/b/")).status_code == 200
+            finally:
+                for s in streams:
+                    s.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+            async with asyncio.timeout(5):
+                while sampler.listeners or sampler.running:
+                    await asyncio.sleep(0.05)
+    # A mounted app's shutdown is its host's to call (the host's lifespan does not
+    # run the dashboard's); here the server's loop is gone, so the share is dropped.
+    await pgcoord.web.aclose(first)
+    assert len(_shares_of(dsn)) == 1
+    await pgcoord.web.aclose(second)
+    assert _shares_of(dsn) == []
 
 
 async def test_a_change_reaches_an_open_stream_within_two_seconds(dsn: str, pool: asyncpg.Pool) -> None:
