@@ -65,6 +65,24 @@ SELECT pg_catalog.json_build_object(
                     OFFSET (SELECT p.skip FROM p)) AS h)
 )::text
 
+-- name: web_schedules_mark
+-- What moves when the lean rows of web_schedules (the dear part of a reading at
+-- 10,000 schedules) may have: the schedules' count, versions (an update bumps its
+-- row's) and latest creation (not schedule_epoch: the operator role of roles.sql
+-- may not read it), the running slots (a slot started or ended), and job_slots'
+-- cumulative row counts (a slot begun and ended between two readings; other
+-- backends flush those within about a second, hence also a full reading every
+-- SCHEDULES_EVERY seconds).
+SELECT pg_catalog.json_build_array(
+    (SELECT pg_catalog.json_build_array(count(*), sum(s.version), max(s.created_at))
+     FROM pgcoord.schedules AS s),
+    (SELECT pg_catalog.json_agg(pg_catalog.json_build_array(r.job, r.slot_at, r.attempt)
+                                ORDER BY r.job, r.slot_at)
+     FROM pgcoord.job_slots AS r WHERE r.state = 'running'),
+    pg_catalog.pg_stat_get_tuples_inserted('pgcoord.job_slots'::regclass)
+        + pg_catalog.pg_stat_get_tuples_updated('pgcoord.job_slots'::regclass)
+        + pg_catalog.pg_stat_get_tuples_deleted('pgcoord.job_slots'::regclass))::text
+
 -- name: web_schedules
 -- Every schedule for the sampler, lean (10,000 of them are read every second while a
 -- page is open): what the overview counts and what tells a page that a schedule

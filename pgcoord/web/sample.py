@@ -16,6 +16,10 @@ from .reader import Reader
 #: How many terms of each lease name the elections page shows.
 TERMS_SHOWN = 5
 
+#: Seconds after which the schedules are read again even if their mark did not move
+#: (job_slots' row counts reach the statistics within about a second, not at once).
+SCHEDULES_EVERY = 5.0
+
 SCHEDULE_FIELDS = ("name", "paused", "version", "last_run_at", "last_state", "failures_in_row")
 
 #: Fields that move on their own (clocks, renewals): a change in them alone is
@@ -47,6 +51,17 @@ class Sample:
     version: str = ""
 
 
+@dataclass
+class SchedulesKept:
+    """The schedules' lean rows as last read, and the mark they were read under:
+    a reading fetches them again only when the mark moved (or SCHEDULES_EVERY)."""
+    mark: Any = None
+    text: str | None = None
+    read_at: float = -float("inf")
+    #: Full readings of the schedules (tests and the benchmark count them).
+    reads: int = 0
+
+
 def _strip(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _strip(v) for k, v in value.items() if k not in _VOLATILE}
@@ -68,18 +83,27 @@ def fingerprint(sample: Sample, schedules_text: str = "") -> str:
     return digest.hexdigest()
 
 
-async def read_sample(reader: Reader, *, with_terms: bool | None) -> tuple[Sample, bool | None]:
+async def read_sample(reader: Reader, *, with_terms: bool | None,
+                      kept: SchedulesKept | None = None) -> tuple[Sample, bool | None]:
     """Read everything once. ``with_terms``: whether the history is installed (None:
-    not known yet, asked). Returns the sample and what is now known about it. A
-    failure is recorded in the sample, for the pages to show."""
+    not known yet, asked). ``kept``: the schedules of the last reading, fetched again
+    only when their mark moved (None: always). Returns the sample and what is now
+    known about the history. A failure is recorded in the sample, for the pages."""
     started = time.perf_counter()
+    kept = kept if kept is not None else SchedulesKept()
     try:
         raw_text = await reader.value(query("web_sample"))
-        schedules_text = await reader.value(query("web_schedules"))
+        mark = await reader.value(query("web_schedules_mark"))
+        if kept.text is None or mark != kept.mark or time.monotonic() - kept.read_at >= SCHEDULES_EVERY:
+            read_at = time.monotonic()
+            kept.text = await reader.value(query("web_schedules"))
+            kept.mark, kept.read_at, kept.reads = mark, read_at, kept.reads + 1
+        schedules_text = kept.text
         if with_terms is None:
             with_terms = bool(await reader.value(query("web_terms_installed")))
         terms_text = await reader.value(query("web_terms"), (TERMS_SHOWN,)) if with_terms else None
     except Exception as exc:
+        kept.text = None
         sample = Sample(now=dt.datetime.now(dt.UTC), error=_explain(exc))
         sample.read_seconds = time.perf_counter() - started
         sample.version = fingerprint(sample)

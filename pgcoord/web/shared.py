@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 from .reader import Reader
-from .sample import Sample, read_sample
+from .sample import Sample, SchedulesKept, read_sample
 from .sampler import Sampler
 
 _Key = tuple[Any, asyncio.AbstractEventLoop]
@@ -30,9 +30,11 @@ class Shared:
         self.sampler = Sampler(self._read)
         self.users: set[int] = set()
         self._with_terms: bool | None = None
+        self.kept = SchedulesKept()
 
     async def _read(self) -> Sample:
-        sample, self._with_terms = await read_sample(self.reader, with_terms=self._with_terms)
+        sample, self._with_terms = await read_sample(self.reader, with_terms=self._with_terms,
+                                                    kept=self.kept)
         return sample
 
     async def aclose(self) -> None:

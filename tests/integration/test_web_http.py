@@ -721,3 +721,41 @@ async def test_an_action_the_role_may_not_do_is_a_403_naming_the_privilege(fresh
                           f" where usename in ('{service}', '{operator}')")
             admin.execute(f"drop owned by {service}; drop owned by {operator};"
                           f" drop role {service}; drop role {operator}")
+
+
+async def test_the_sampler_reads_the_schedules_again_only_when_they_moved(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """The lean schedules are the dear part of a reading (10,000 rows with their last
+    run): a reading fetches them when their mark moved (a schedule changed, a slot
+    started or ended), not every second; every change still changes the version."""
+    from pgcoord.web.reader import Reader
+    from pgcoord.web.sample import SchedulesKept, read_sample
+
+    job = unique("web-kept")
+    await pgcoord.Scheduler(pool).add(job, "0 0 * * *", handler="h")
+    reader, kept = Reader(dsn), SchedulesKept()
+    try:
+        async def reading() -> Any:
+            sample, _ = await read_sample(reader, with_terms=None, kept=kept)
+            assert sample.error is None, sample.error
+            return sample
+
+        first = await reading()
+        assert kept.reads == 1
+        again = await reading()
+        assert kept.reads == 1 and again.version == first.version
+        sql(dsn, "insert into pgcoord.job_slots (job, slot_at, state, attempt, runner, started_at)"
+                 " values (%s, now(), 'running', 1, 'r', now())", job)
+        started = await reading()
+        assert kept.reads == 2 and started.version != again.version
+        assert [s["last_state"] for s in started.schedules if s["name"] == job] == ["running"]
+        sql(dsn, "update pgcoord.job_slots set state = 'succeeded', finished_at = now() where job = %s", job)
+        ended = await reading()
+        assert kept.reads == 3 and [s["last_state"] for s in ended.schedules if s["name"] == job] == ["succeeded"]
+        await pgcoord.Scheduler(pool).pause(job)
+        paused_now = await reading()
+        assert kept.reads == 4 and [s["paused"] for s in paused_now.schedules if s["name"] == job] == [True]
+        await reading()
+        assert kept.reads == 4
+    finally:
+        await reader.aclose()
