@@ -58,6 +58,9 @@ class SchedulesKept:
     mark: Any = None
     text: str | None = None
     read_at: float = -float("inf")
+    #: ``text`` decoded (None until a reading decodes it): samples share the list,
+    #: which pages only read.
+    rows: list[dict[str, Any]] | None = None
     #: Full readings of the schedules (tests and the benchmark count them).
     reads: int = 0
 
@@ -96,30 +99,32 @@ async def read_sample(reader: Reader, *, with_terms: bool | None,
         mark = await reader.value(query("web_schedules_mark"))
         if kept.text is None or mark != kept.mark or time.monotonic() - kept.read_at >= SCHEDULES_EVERY:
             read_at = time.monotonic()
-            kept.text = await reader.value(query("web_schedules"))
+            kept.text, kept.rows = await reader.value(query("web_schedules")), None
             kept.mark, kept.read_at, kept.reads = mark, read_at, kept.reads + 1
         schedules_text = kept.text
         if with_terms is None:
             with_terms = bool(await reader.value(query("web_terms_installed")))
         terms_text = await reader.value(query("web_terms"), (TERMS_SHOWN,)) if with_terms else None
     except Exception as exc:
-        kept.text = None
+        kept.text, kept.rows = None, None
         sample = Sample(now=dt.datetime.now(dt.UTC), error=_explain(exc))
         sample.read_seconds = time.perf_counter() - started
         sample.version = fingerprint(sample)
         return sample, None
     # Megabytes of JSON at 10,000 schedules: decoded off the event loop, which serves pages.
-    sample = await asyncio.to_thread(_decode, raw_text, schedules_text, terms_text)
+    sample = await asyncio.to_thread(_decode, raw_text, schedules_text, terms_text, kept)
     sample.read_seconds = time.perf_counter() - started
     return sample, with_terms
 
 
-def _decode(raw_text: str, schedules_text: str, terms_text: str | None) -> Sample:
+def _decode(raw_text: str, schedules_text: str, terms_text: str | None,
+            kept: SchedulesKept) -> Sample:
     raw = json.loads(raw_text)
+    if kept.rows is None or kept.text is not schedules_text:
+        kept.rows = [dict(zip(SCHEDULE_FIELDS, r, strict=True)) for r in json.loads(schedules_text)]
     sample = Sample(
         now=dt.datetime.fromisoformat(raw["now"]), holders=raw["holders"], leases=raw["leases"],
-        members=raw["members"], schedules=[dict(zip(SCHEDULE_FIELDS, r, strict=True))
-                                           for r in json.loads(schedules_text)],
+        members=raw["members"], schedules=kept.rows,
         terms=None if terms_text is None else json.loads(terms_text),
         server_version=raw["server_version"], database=raw["database"],
     )
