@@ -11,6 +11,8 @@ resume and trigger a schedule, ask a leader to resign.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import ipaddress
 import sys
 from typing import Any
@@ -70,6 +72,32 @@ def run_web(args: argparse.Namespace) -> int:
     mode = "read-only" if args.read_only else "actions allowed"
     print(f"pgcoord web: http://{shown}:{args.port}/ ({mode}; basic auth {'on' if basic else 'off'}); "
           "Ctrl-C to stop", file=sys.stderr, flush=True)
-    # Open pages hold their event streams open: Ctrl-C cuts them after a second.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C it held again
+        _server_class()(app, config).run()
     return 0
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn waits for open responses before it stops, and an open page's event
+        stream never ends on its own: told to stop, the server ends them first."""
+
+        def __init__(self, app: Any, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self._dashboard = app.state.pgcoord_dashboard
+            self._loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._dashboard.end_streams)
+
+    return Server

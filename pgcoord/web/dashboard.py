@@ -27,6 +27,18 @@ class Dashboard:
         self.csrf = Csrf()
         #: The share taken last (tests and the benchmark look at its sampler).
         self.latest: shared.Shared | None = None
+        self._closing: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
+
+    def closing(self) -> asyncio.Event:
+        """Set when the server goes down: open event streams end (end_streams)."""
+        return self._closing.setdefault(asyncio.get_running_loop(), asyncio.Event())
+
+    def end_streams(self) -> None:
+        """End every open event stream, on the serving loop (from its thread). A
+        server waits for open responses before it stops, and a page never ends its
+        stream; pgcoord web calls this when told to stop."""
+        for event in self._closing.values():
+            event.set()
 
     def _share(self) -> shared.Shared:
         entry = self.latest
@@ -46,6 +58,7 @@ class Dashboard:
         return self._share().sampler
 
     async def aclose(self) -> None:
+        self._closing.clear()
         entry, self.latest = self.latest, None
         if entry is not None:
             await shared.release(entry, self)

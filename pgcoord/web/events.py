@@ -25,12 +25,20 @@ class EventStream:
     share of the sampler, whichever version of ASGI the server speaks."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sampler = dashboard_of(Request(scope, receive)).sampler
+        dash = dashboard_of(Request(scope, receive))
+        sampler, closing = dash.sampler, dash.closing()
         gone = asyncio.Event()
 
         async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            # The page leaves (http.disconnect), or the server goes down (closing).
+            leaving = asyncio.ensure_future(_disconnected(receive))
+            down = asyncio.ensure_future(closing.wait())
+            try:
+                await asyncio.wait({leaving, down}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (leaving, down):
+                    task.cancel()
+                await asyncio.gather(leaving, down, return_exceptions=True)
             gone.set()
 
         async with sampler.listening() as next_change:
@@ -44,6 +52,8 @@ class EventStream:
                 while True:
                     new = await _until_gone(next_change(sample.version, KEEPALIVE), gone)
                     if new is None:
+                        if closing.is_set():  # end the response whole; the page reconnects
+                            await send({"type": "http.response.body", "body": b"", "more_body": False})
                         return
                     if new.version == sample.version:
                         await self._send(send, ": still here\n\n")
@@ -60,6 +70,11 @@ class EventStream:
     @staticmethod
     async def _send(send: Send, text: str) -> None:
         await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _until_gone(waiting: Awaitable[Sample], gone: asyncio.Event) -> Sample | None:

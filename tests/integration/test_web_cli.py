@@ -4,6 +4,7 @@ auth nor --read-only, and serves the dashboard (all actions, or read-only)."""
 from __future__ import annotations
 
 import os
+import signal
 import re
 import socket
 import subprocess
@@ -96,3 +97,46 @@ def test_read_only_refuses_actions_and_basic_auth_guards_a_public_address(dsn: s
         assert httpx.get(url + "/").status_code == 401
         assert httpx.get(url + "/", auth=("ops", "pw")).status_code == 200
     assert sql(dsn, "select paused from pgcoord.schedules where name = %s", job) == [(False,)]
+
+
+def test_ctrl_c_with_open_pages_ends_their_streams_at_once_and_quietly(dsn: str) -> None:
+    """Open pages hold their event streams open: Ctrl-C ends them (no waiting for a
+    graceful-shutdown timeout, no traceback per page cut) and the server exits."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pgcoord.cli", "web", "--dsn", dsn, "--port", str(port)],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    streams: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/static/style.css", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "pgcoord web did not start"
+                time.sleep(0.1)
+        for _ in range(5):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /events HTTP/1.1\r\nHost: pages\r\n\r\n")
+            assert b"event: version" in s.recv(4096) or b"event: version" in s.recv(4096)
+            streams.append(s)
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=15)
+        took = time.monotonic() - started
+        assert proc.returncode == 0, err
+        assert took < 0.9, f"Ctrl-C took {took:.1f} s with 5 open pages"
+        assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+        for s in streams:  # each page's stream was ended, not cut mid-response
+            s.settimeout(2)
+            tail = b""
+            while chunk := s.recv(4096):
+                tail += chunk
+            assert tail.endswith(b"0\r\n\r\n"), tail[-40:]
+    finally:
+        for s in streams:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
