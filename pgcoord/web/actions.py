@@ -34,7 +34,8 @@ async def action(request: Request) -> Response:
     if not dash.csrf.valid(request.cookies.get(CSRF_COOKIE), str(form.get(CSRF_FIELD) or "")):
         _audit(verb, name, by, "refused: bad CSRF token")
         raise HTTPException(403, "CSRF check failed: the form's token does not match this browser's "
-                                 "cookie (reload the page and try again)")
+                                 "cookie (reload the page and try again; several worker processes "
+                                 "need the same PGCOORD_WEB_SECRET)")
     if verb not in await allowed_actions(dash.access, request):
         _audit(verb, name, by, "refused: not allowed")
         raise HTTPException(403, f"{verb} is not allowed here: this dashboard is read-only for you")

@@ -22,6 +22,8 @@ ACTIONS = ("pause", "resume", "trigger", "resign")
 CSRF_COOKIE = "pgcoord_csrf"
 CSRF_FIELD = "csrf"
 USER_ENV, PASSWORD_ENV = "PGCOORD_WEB_USER", "PGCOORD_WEB_PASSWORD"
+#: The CSRF key shared by the worker processes of one deployment (else per process).
+SECRET_ENV = "PGCOORD_WEB_SECRET"
 
 
 def basic_auth_from_env() -> tuple[str, str] | None:
@@ -83,7 +85,11 @@ async def allowed_actions(access: Access | None, request: Any) -> frozenset[str]
 
 class Csrf:
     def __init__(self) -> None:
-        self._secret = secrets.token_bytes(32)
+        # Behind `uvicorn --workers N` a page drawn by one process posts to another:
+        # they must share the key, which only the deployment can give them all.
+        shared = os.environ.get(SECRET_ENV, "")
+        self._secret = (hashlib.sha256(b"pgcoord.web csrf\0" + shared.encode()).digest() if shared
+                        else secrets.token_bytes(32))
 
     def new_nonce(self) -> str:
         return secrets.token_urlsafe(18)

@@ -140,3 +140,22 @@ def test_ctrl_c_with_open_pages_ends_their_streams_at_once_and_quietly(dsn: str)
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_worker_processes_sharing_pgcoord_web_secret_accept_each_others_forms(dsn: str) -> None:
+    """Behind `uvicorn --workers N` a form drawn by one process is posted to another:
+    with PGCOORD_WEB_SECRET set they share the CSRF key; without it each process has
+    its own random key and refuses the other's token."""
+    job = unique("cli-web-workers")
+    _add(dsn, job)
+    for secret, status in (("", 403), ("a shared secret of the deployment", 303)):
+        env = _env(**({"PGCOORD_WEB_SECRET": secret} if secret else {}))
+        with running("--dsn", dsn, env=env) as one, running("--dsn", dsn, env=env) as other, \
+                httpx.Client() as client:
+            page = client.get(one + "/schedules")
+            token = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text)
+            assert token
+            r = client.post(other + "/actions/pause", data={"name": job, "csrf": token.group(1)},
+                            cookies={"pgcoord_csrf": page.cookies["pgcoord_csrf"]})
+            assert r.status_code == status, r.text
+    assert sql(dsn, "select paused from pgcoord.schedules where name = %s", job) == [(True,)]
