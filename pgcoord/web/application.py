@@ -59,7 +59,7 @@ async def _html(request: Request, template: str, sample: Sample, data: dict[str,
                                            "Cache-Control": "no-store"})
     if request.cookies.get(CSRF_COOKIE) != nonce:
         response.set_cookie(CSRF_COOKIE, nonce, path=(base_of(request) or "") + "/", httponly=True,
-                            samesite="strict")
+                            samesite="strict", secure=request.url.scheme == "https")
     return response
 
 

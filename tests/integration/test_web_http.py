@@ -759,3 +759,16 @@ async def test_the_sampler_reads_the_schedules_again_only_when_they_moved(
         assert kept.reads == 4
     finally:
         await reader.aclose()
+
+
+async def test_the_csrf_cookie_is_secure_when_the_page_came_over_https(dsn: str) -> None:
+    dashboard = pgcoord.web.app(dsn)
+    try:
+        for scheme, secure in (("https", True), ("http", False)):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=dashboard),
+                                         base_url=f"{scheme}://ops.example") as client:
+                cookie = (await client.get("/")).headers["set-cookie"]
+                assert cookie.startswith("pgcoord_csrf=") and "httponly" in cookie.lower()
+                assert ("; secure" in cookie.lower()) is secure, cookie
+    finally:
+        await pgcoord.web.aclose(dashboard)
