@@ -183,6 +183,10 @@ async def main(args: argparse.Namespace) -> None:
             print(f"\n{listeners} open pages (SSE) for {args.seconds:g} s: {readings} readings "
                   f"({readings / args.seconds:.2f}/s), {loops} sampler loop(s) started")
             print(f"schedules read {kept.reads} times in {args.rounds + 1} readings (kept)")
+            quiet = statistics.median(fast) + statistics.median(mark)
+            full = statistics.median(fast) + statistics.median(lean)
+            print(f"database time of a reading (its statements' p50s): {full:.1f} ms with the schedules, "
+                  f"{quiet:.1f} ms without them (mark only): {full / quiet:.1f}x less while they stand still")
             print(f"sampler cost: {statistics.median(reading_kept):.1f} ms per reading (was "
                   f"{statistics.median(reading):.1f}), mean {statistics.mean(reading_kept):.1f}; at most one a second "
                   f"= {statistics.median(reading_kept) / 10:.1f}% of one connection's time")
