@@ -15,7 +15,7 @@ import hmac
 import inspect
 import os
 import secrets
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 ACTIONS = ("pause", "resume", "trigger", "resign")
@@ -73,7 +73,8 @@ async def allowed_actions(access: Access | None, request: Any) -> frozenset[str]
         return frozenset(ACTIONS)
     if granted == "read_only" or granted is None:
         return frozenset()
-    if isinstance(granted, str) or not isinstance(granted, Collection):
+    # A mapping reads as {action: allowed?}: its keys would grant what it denies.
+    if isinstance(granted, (str, Mapping)) or not isinstance(granted, Collection):
         raise TypeError(f"access(request) returned {granted!r}: return 'all', 'read_only' "
                         "or a set of action names")
     unknown = set(granted) - set(ACTIONS)

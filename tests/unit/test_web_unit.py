@@ -46,6 +46,11 @@ async def test_access_answers_are_checked() -> None:
         await security.allowed_actions(lambda r: {"drop"}, object())
     with pytest.raises(TypeError, match="'all', 'read_only'"):
         await security.allowed_actions(lambda r: "everything", object())
+    assert await security.allowed_actions(lambda r: ["pause", "pause"], object()) == {"pause"}
+    # A mapping looks like {action: allowed?}; its keys alone would grant what it denies.
+    for answer in ({"pause": False}, {"pause": True}, True, 1):
+        with pytest.raises(TypeError, match="'all', 'read_only'"):
+            await security.allowed_actions(lambda r, a=answer: a, object())
 
 
 def test_a_csrf_token_belongs_to_its_nonce_and_its_process() -> None:
