@@ -23,6 +23,7 @@ from .actions import action
 from .auth import BasicAuth
 from .dashboard import Dashboard, base_of, check_name, dashboard_of, who
 from .events import EventStream
+from .reader import DatabaseError
 from .sample import Sample
 from .security import CSRF_COOKIE, CSRF_FIELD, Access, allowed_actions, basic_auth_from_env
 from .views import render, static_file
@@ -173,6 +174,13 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return _error(request, exc.status_code, exc.detail, exc.headers)
 
 
+async def database_error(request: Request, exc: Exception) -> Response:
+    # The database refused or could not be reached (a timeout, a lock, a restart): the
+    # page says so, as for a sample that cannot be read; not the dashboard's bug.
+    log.warning("pgcoord.web: %s %s: %s", request.method, request.url.path, exc)
+    return _error(request, 503, str(exc))
+
+
 async def server_error(request: Request, exc: Exception) -> Response:
     log.exception("pgcoord.web: %s %s failed", request.method, request.url.path, exc_info=exc)
     return _error(request, 500, f"the dashboard failed: {type(exc).__name__} (details in the server's log)")
@@ -218,7 +226,7 @@ def app(source: Any, access: Access | None = None) -> Starlette:
         Route("/actions/{action}", action, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        HTTPException: http_error, Exception: server_error,
+        HTTPException: http_error, DatabaseError: database_error, Exception: server_error,
     }
     starlette = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     starlette.state.pgcoord_dashboard = dash

@@ -7,13 +7,22 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .._core.errmap import schema_missing_raised
+from .._core.errmap import schema_missing_raised, sqlstate
 from .._drivers import adapt, release_sync, run_statement, tx_session_sync
 from .._drivers.dsn import open_pool
 
 #: Connections of a pool the dashboard opens itself: the sampler's, and a page's or
 #: an action's own statement beside it.
 POOL_SIZE = 3
+
+
+class DatabaseError(Exception):
+    """A page's or an action's statement the database refused or could not run (a
+    timeout, a lock, a restart): a 503 saying why. The driver's error is its cause."""
+
+
+def _refused(exc: BaseException) -> bool:
+    return sqlstate(exc) is not None or isinstance(exc, OSError)
 
 
 class Reader:
@@ -49,10 +58,15 @@ class Reader:
         return self._source
 
     async def row(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
-        source = await self._pool()
-        if self._sync:
-            return await asyncio.to_thread(_run_sync, source, sql, params)
-        return await run_statement(source, sql, params)
+        try:
+            source = await self._pool()
+            if self._sync:
+                return await asyncio.to_thread(_run_sync, source, sql, params)
+            return await run_statement(source, sql, params)
+        except Exception as exc:
+            if not _refused(exc):
+                raise
+            raise DatabaseError(f"the database could not be read: {explain(exc)}") from exc
 
     async def value(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         row = await self.row(sql, params)
@@ -74,3 +88,9 @@ def _run_sync(source: Any, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...]
             return session.run_autocommit(sql, params)
     finally:
         release_sync(session, rollback=False)
+
+
+def explain(exc: BaseException) -> str:
+    """One line: the error's type and its first line."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {text}"

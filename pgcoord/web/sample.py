@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.queries import query
-from .reader import Reader
+from .reader import DatabaseError, Reader, explain
 
 #: How many terms of each lease name the elections page shows.
 TERMS_SHOWN = 5
@@ -133,5 +133,5 @@ def _decode(raw_text: str, schedules_text: str, terms_text: str | None,
 
 
 def _explain(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
+    # A refused statement reads as the driver's error, as it did before Reader wrapped it.
+    return explain(exc.__cause__ if isinstance(exc, DatabaseError) and exc.__cause__ else exc)

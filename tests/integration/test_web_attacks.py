@@ -132,3 +132,31 @@ async def test_markup_in_names_meta_and_application_name_is_shown_as_text(fresh_
     finally:
         await conn.close()
         await m.__aexit__(None, None, None)
+
+
+async def test_a_pages_own_statement_the_database_refuses_is_a_503_with_the_reason(fresh_db: str) -> None:
+    """lock_timeout on the database, and a table the page reads locked by another
+    session: the page says why (503), as for a sample that cannot be read, not 500."""
+    dsn = fresh_db
+    pgcoord.migrations.upgrade(dsn)
+    sql(dsn, "select pgcoord.schedule_add('j', 'h', '0 0 * * *', 'UTC', '{}'::jsonb, '{}'::jsonb)")
+    dbname = sql(dsn, "select current_database()")[0][0]
+    sql(dsn, f'alter database "{dbname}" set lock_timeout = \'100ms\'')
+    with serve(pgcoord.web.app(dsn)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.get("/schedules/j")).status_code == 200
+            locker = await asyncpg.connect(dsn)
+            try:
+                tx = locker.transaction()
+                await tx.start()
+                await locker.execute("lock table pgcoord.job_slots in access exclusive mode")
+                await asyncio.sleep(1.1)  # past the sample's freshness
+                for path in ("/schedules/j", "/api/schedules/j"):
+                    r = await client.get(path)
+                    assert r.status_code == 503, (path, r.status_code, r.text[:300])
+                    assert "lock timeout" in r.text and "Traceback" not in r.text
+                await tx.rollback()
+            finally:
+                await locker.close()
+            await asyncio.sleep(1.1)
+            assert (await client.get("/schedules/j")).status_code == 200
