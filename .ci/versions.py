@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACKED = ("sqlalchemy", "asyncpg", "psycopg", "psycopg-binary", "psycopg-pool", "alembic",
-           "cronsim", "prometheus-client", "opentelemetry-api", "opentelemetry-sdk")
+           "cronsim", "prometheus-client", "opentelemetry-api", "opentelemetry-sdk",
+           "starlette", "jinja2", "uvicorn", "selenium")
 
 
 def _norm(name: str) -> str:

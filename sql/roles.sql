@@ -36,7 +36,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON pgcoord.schedule_pauses TO pgcoord_servi
 GRANT USAGE ON SCHEMA pgcoord TO pgcoord_operator;
 GRANT SELECT ON pgcoord.holders TO pgcoord_operator;
 GRANT SELECT ON pgcoord.members TO pgcoord_operator;
--- The history of leadership (the dashboard's /elections).
+-- The history of leadership, and every election, vacant ones too (the dashboard's /elections).
+GRANT SELECT ON pgcoord.leases TO pgcoord_operator;
 GRANT SELECT ON pgcoord.lease_terms, pgcoord.lease_history TO pgcoord_operator;
 -- `pgcoord jobs` and `pgcoord jobs history` read these; pause/resume/trigger need the service role.
 GRANT SELECT ON pgcoord.schedules, pgcoord.job_slots TO pgcoord_operator;

@@ -36,7 +36,7 @@ def parse(text: str) -> dict[str, str]:
 
 _FILES = (
     "queries.sql", "member_queries.sql", "partition_queries.sql", "testing_queries.sql",
-    "schedule_queries.sql",
+    "schedule_queries.sql", "web_queries.sql",
 )
 
 

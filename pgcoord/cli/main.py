@@ -1,4 +1,4 @@
-"""The ``pgcoord`` command: ``migrate``, ``status``, ``doctor`` and ``demo``."""
+"""The ``pgcoord`` command: ``migrate``, ``status``, ``doctor``, ``demo``, ``jobs`` and ``web``."""
 
 from __future__ import annotations
 
@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .jobs import add_parser as add_jobs_parser
 
     add_jobs_parser(sub, [debug], _default_dsn(), _exit_codes_epilog())
+
+    from .web import add_parser as add_web_parser
+
+    add_web_parser(sub, [debug], _default_dsn(), _exit_codes_epilog())
     return parser
 
 
