@@ -291,7 +291,24 @@ REVOKE EXECUTE ON FUNCTION pgcoord.lease_terms_record(), pgcoord.lease_terms_for
 
 -- The view names the rest: a transactional job's lock and a member's alive lock.
 CREATE OR REPLACE VIEW pgcoord.holders AS
-WITH sem AS MATERIALIZED (
+WITH lk AS MATERIALIZED (
+    -- pg_locks, pg_stat_activity and the live members are read once each: the
+    -- planner expects a row or so from pg_lock_status() and, joining in nested
+    -- loops, would read the whole activity array again for every lock.
+    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key,
+           l.classid, l.objid, l.objsubid, l.pid, l.mode, l.granted, l.waitstart
+    FROM pg_catalog.pg_locks AS l
+    -- IS TRUE: the planner's default guess for the equalities (a row or so of
+    -- pg_lock_status()'s 1,000) would send the joins below into nested loops.
+    WHERE (l.locktype = 'advisory'
+           AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                             WHERE d.datname = pg_catalog.current_database())) IS TRUE
+), act AS MATERIALIZED (
+    SELECT a.pid, a.application_name, a.client_addr, a.xact_start, a.backend_start
+    FROM pg_catalog.pg_stat_activity AS a
+), live AS MATERIALIZED (
+    SELECT m.pid, m.name FROM pgcoord.member_sessions AS m WHERE m.left_at IS NULL
+), sem AS MATERIALIZED (
     -- Registered semaphore keys as pg_locks shows them (classid is an unsigned
     -- oid); names that collide on a key are listed together.
     SELECT (s.key::bigint & 4294967295)::oid AS classid, s.key,
@@ -315,7 +332,7 @@ SELECT
     -- A recorded name (pgcoord.lock_names), a running job's lock, or a member's
     -- alive lock (member_alive_ns(), id): 'pgcoord.member:<group>/<name>'.
     coalesce(n.name, jk.name, 'pgcoord.member:' || mv."group" || '/' || mv.name) AS name,
-    k.key                                              AS key,
+    l.key                                              AS key,
     coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text) AS holder,
     l.pid                                              AS pid,
     a.application_name                                 AS application_name,
@@ -331,20 +348,14 @@ SELECT
     (a.pid IS NOT NULL)                                AS session_alive,
     ms.name                                            AS member,
     NULL::integer                                      AS lane
-FROM pg_catalog.pg_locks AS l
-CROSS JOIN LATERAL (
-    SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
-) AS k
-LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
-LEFT JOIN pgcoord.lock_names AS n ON n.key = k.key AND l.objsubid = 1
-LEFT JOIN jobkeys AS jk ON jk.key = k.key AND l.objsubid = 1 AND n.key IS NULL
+FROM lk AS l
+LEFT JOIN act AS a ON a.pid = l.pid
+LEFT JOIN pgcoord.lock_names AS n ON n.key = l.key AND l.objsubid = 1
+LEFT JOIN jobkeys AS jk ON jk.key = l.key AND l.objsubid = 1 AND n.key IS NULL
 LEFT JOIN pgcoord.member_sessions AS mv
        ON l.objsubid = 2 AND l.classid = 1885823853::oid AND mv.id::bigint = l.objid::bigint
-LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
-WHERE l.locktype = 'advisory'
-  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
-                    WHERE d.datname = pg_catalog.current_database())
-  AND NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
+LEFT JOIN live AS ms ON ms.pid = l.pid
+WHERE NOT (l.objsubid = 2 AND l.classid IN (SELECT sem.classid FROM sem))
 UNION ALL
 -- A granted lane is a holder; the waiting room (lane -1) holds the waiters,
 -- shown as not granted, with `since` NULL (see 0005).
@@ -356,13 +367,11 @@ SELECT
     CASE WHEN l.objid <> 4294967295::oid THEN coalesce(a.xact_start, a.backend_start) END,
     NULL::timestamptz, NULL::bigint, NULL::integer[], false, (a.pid IS NOT NULL), ms.name,
     CASE WHEN l.objid <> 4294967295::oid THEN l.objid::bigint::integer END
-FROM pg_catalog.pg_locks AS l
+FROM lk AS l
 JOIN sem ON sem.classid = l.classid
-LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
-LEFT JOIN pgcoord.member_sessions AS ms ON ms.pid = l.pid AND ms.left_at IS NULL
-WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
-  AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
-                    WHERE d.datname = pg_catalog.current_database())
+LEFT JOIN act AS a ON a.pid = l.pid
+LEFT JOIN live AS ms ON ms.pid = l.pid
+WHERE l.objsubid = 2 AND l.granted
 UNION ALL
 -- A session of another server incarnation cannot be looked up here: it is
 -- neither alive nor dead (NULL), and its pid may be an unrelated session's.
@@ -376,8 +385,8 @@ FROM pgcoord.leases AS s
 CROSS JOIN LATERAL (
     SELECT s.holder_server IS NULL OR s.holder_server = pgcoord.server_incarnation() AS here
 ) AS here
-LEFT JOIN pg_catalog.pg_stat_activity AS a ON here.here AND a.pid = s.holder_pid
-LEFT JOIN pgcoord.member_sessions AS ms ON here.here AND ms.pid = s.holder_pid AND ms.left_at IS NULL
+LEFT JOIN act AS a ON here.here AND a.pid = s.holder_pid
+LEFT JOIN live AS ms ON here.here AND ms.pid = s.holder_pid
 WHERE s.holder IS NOT NULL AND s.expires_at > pg_catalog.clock_timestamp()
 UNION ALL
 SELECT
