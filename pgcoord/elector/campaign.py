@@ -29,21 +29,34 @@ async def campaign(el: Elector) -> tuple[int, bool, float]:
     while True:
         rang = False
         if not el.polling:
+            # A follower listens to nothing unless watched: the doorbell wakes it.
+            await el._tune_news(leading=False)
             # Block on the leader's doorbell, looking at the lease at least
             # once a ttl in case a leader leads without one.
             wait = query("advisory_timeout").format(
                 fn="pg_advisory_lock", key=el._doorbell, timeout_ms=el._ttl_ms)
+            el._ringing = True
             try:
                 await el._call_execute(wait)
                 bell.rang()
                 rang = True
             except Exception as exc:
+                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
+                    # Cut for a watch() (or by an operator): listen, wait again. A
+                    # cancel that came just as the lock was granted may have left it
+                    # taken, unseen: a follower holds no level of its own doorbell
+                    # while it waits, so every level is let go.
+                    await el._call_execute(query("holder_undo").format(
+                        key=el._doorbell, mode="ExclusiveLock", unlock_fn="pg_advisory_unlock"))
+                    continue
                 if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
                     raise
                 # The leader may have gone just after the wait gave up: take
                 # the bell now if it is free, so that a lease won here is
                 # tied to this session (and a crash of ours is heard at once).
                 rang = await bell.ring()
+            finally:
+                el._ringing = False
         sent = time.monotonic()
         fence = await el._call(query("lease_acquire"), el.name, el.holder, el._ttl_ms,
                                  el._conn.backend_pid if rang else None)

@@ -25,9 +25,12 @@ lease being released or taken (NOTIFY from the lease table's trigger), or at
 the latest a third of a ttl. Any number of electors then cost no connection
 beyond the member's two.
 
-Every lease change is told on the ``pgcoord_leases`` channel; ``watch()`` yields
-each change of leader, and ``request_resign()`` asks a leader, from anywhere, to
-step down gracefully (it hears at once, or at its next renewal).
+Every lease change is told on the ``pgcoord_leases`` channel to whoever listens;
+``watch()`` yields each change of leader, and ``request_resign()`` asks a leader,
+from anywhere, to step down gracefully (it hears at once, or at its next renewal).
+An elector listens only while it leads (for resign requests) or is watched: a
+listening session is signalled by every NOTIFY in the database (docs/members.md).
+A follower on its own session needs no news: the doorbell wakes it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from .._core.aio import (
 from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
-from .._drivers.listen import listen
+from .._drivers.listen import close_ears, listen
+from .._drivers.protocol import Unlisten
 from ..errors import PgcoordError, SchemaMissing
 from ..keys import lock_key
 from ..leases.statements import lock_timeout_setting, validate_holder, validate_name, validate_ttl
@@ -128,6 +132,10 @@ class Elector:
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
         self._listening = False  # on a member: listening for lease news (a watch())
+        # On its own session: how to stop the LISTEN in place, if any (while leading
+        # or watched), and whether the session waits on the doorbell right now.
+        self._heard: Unlisten | None = None
+        self._ringing = False
         self._closing = Supervisor(f"elector {name!r}", log)  # sessions cut, closing
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
@@ -178,7 +186,43 @@ class Elector:
         subscription: Subscription[LeaderChanged] = Subscription(self._watchers)
         if self._member is not None and self._unhooks and not self._listening:
             self._closing.spawn(self._listen_on_member(), f"pgcoord-elector-listen:{self.name}")
+        elif self._member is None and self._heard is None and self._ringing:
+            # A follower waiting on the doorbell listens to nothing: interrupt the
+            # wait, so that it LISTENs before waiting again.
+            self._closing.spawn(self._interrupt_wait(), f"pgcoord-elector-watch:{self.name}",
+                                collected=True)
         return subscription
+
+    async def _interrupt_wait(self) -> None:
+        conn, source = self._conn, self._source
+        if conn is None or source is None:
+            return
+        other = await source.open()
+        try:
+            # The wait may not have reached the server yet: ask until it is cut (the
+            # follower then LISTENs before waiting again) or no longer waits.
+            while self._ringing and self._heard is None and conn is self._conn:
+                if await other.fetchval(query("elector_interrupt_wait"), conn.backend_pid):
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await other.give_back()
+
+    async def _tune_news(self, *, leading: bool) -> None:
+        """On its own session: LISTEN while leading or watched, else not (a listening
+        session costs every NOTIFY in the database a signal). Registered first, so
+        that the lease table's trigger tells at all (``pgcoord.notify_heard``)."""
+        conn = self._conn
+        if self._member is not None or conn is None or self.polling:
+            return
+        want = leading or bool(self._watchers)
+        if want and self._heard is None:
+            self._heard = await listen(conn, LEASE_CHANNEL, self._on_lease_news)
+        elif not want and self._heard is not None:
+            heard, self._heard = self._heard, None
+            await heard()
+            await conn.execute(f'UNLISTEN "{LEASE_CHANNEL}"')
+            await close_ears(conn, LEASE_CHANNEL)
 
     async def _listen_on_member(self) -> None:
         member = self._member
@@ -239,7 +283,6 @@ class Elector:
                 with contextlib.suppress(Exception):  # a name for operators; best effort
                     await conn.fetchval(query("lock_names_record"), self._doorbell,
                                         self._doorbell_name)
-                await listen(conn, LEASE_CHANNEL, self._on_lease_news)
         except BaseException:
             await finish_despite_cancel(conn.close_now())
             raise
@@ -275,6 +318,7 @@ class Elector:
 
     async def _drop_session(self) -> None:
         conn, self._conn = self._conn, None
+        self._heard = None  # the LISTEN and its register go with the session
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close_now()
@@ -289,6 +333,7 @@ class Elector:
         if self._lost is not None:
             self._lost.set()
         conn, self._conn = self._conn, None
+        self._heard = None
         if conn is not None:
             conn.abort()
             self._closing.spawn(conn.close_now(), f"pgcoord-elector-close:{self.name}", collected=True)
@@ -359,6 +404,12 @@ class Elector:
         renewal = Renewal(renew, every=every, retry_every=self.ttl / 10, abandon=self._abandon_session,
                           fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
         try:
+            # A resign request is heard at once while leading (or at the next renewal,
+            # which also says so: so a LISTEN that failed costs nothing else).
+            try:
+                await self._tune_news(leading=True)
+            except Exception as exc:
+                log.info("elector %r: listening for resign requests failed: %r", self.name, exc)
             while True:
                 timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
                 news = asyncio.ensure_future(self._news.wait())

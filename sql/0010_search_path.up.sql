@@ -1,0 +1,179 @@
+-- pgcoord 0010: every function pins its search_path, and pgcoord's own NOTIFYs
+-- are sent only when some session listens for them (issue 23).
+-- Executed verbatim by migrations/versions/0010_search_path.py.
+--
+-- Before PostgreSQL 19 every NOTIFY signals every listening session of the
+-- database, on any channel, and its commit takes a database-wide lock (one
+-- notifying committer at a time). A NOTIFY that nobody hears still pays both.
+-- So a session that LISTENs to one of pgcoord's broadcast channels first says so
+-- (pgcoord.ears_open), and the statements that tell news ask before they NOTIFY
+-- (pgcoord.notify_heard). The register is two advisory locks per channel, in a
+-- key space of their own ('pgcn' = 1885823854, two-int form):
+--   (ns, code)       "ears": held shared, at session level, by each registered
+--                    listener; gone with its session, so a crashed listener
+--                    never leaves a false "someone listens" behind.
+--   (ns, code + 100) "gate": held shared until commit by each teller that found
+--                    nobody listening. A new listener takes it exclusively once
+--                    (waiting for those tellers to commit) before it LISTENs and
+--                    looks: a change it could miss was committed before it looked.
+-- The semaphores' channel keeps its own register (the waiting room, 0005).
+
+CREATE FUNCTION pgcoord.ears_ns() RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    RETURN 1885823854;
+
+-- The channels with a register; NULL for any other (always told).
+CREATE FUNCTION pgcoord.ears_code(channel text) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    RETURN CASE channel WHEN 'pgcoord_leases' THEN 1 WHEN 'pgcoord_members' THEN 2
+                        WHEN 'pgcoord_schedules' THEN 3 WHEN 'pgcoord_partitions' THEN 4 END;
+
+-- Register this session as a listener of `channel`, before its LISTEN. Waits
+-- for tellers that decided "nobody listens" to commit, at most 200 ms: a longer
+-- one (a change held open in someone's transaction) is not worth stalling a
+-- shared session for; its news then reaches this listener by the fallback every
+-- listener has (a periodic look). False for a channel without a register.
+CREATE FUNCTION pgcoord.ears_open(channel text) RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    DECLARE
+        code integer := pgcoord.ears_code(channel);
+        saved text := pg_catalog.current_setting('lock_timeout');
+    BEGIN
+        IF code IS NULL THEN
+            RETURN false;
+        END IF;
+        PERFORM pg_catalog.pg_advisory_lock_shared(pgcoord.ears_ns(), code);
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout', '200ms', true);
+            PERFORM pg_catalog.pg_advisory_lock(pgcoord.ears_ns(), code + 100);
+            PERFORM pg_catalog.pg_advisory_unlock(pgcoord.ears_ns(), code + 100);
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+        RETURN true;
+    END
+    $body$;
+
+-- After the UNLISTEN: this session no longer listens to `channel`.
+CREATE FUNCTION pgcoord.ears_close(channel text) RETURNS boolean
+    LANGUAGE sql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    RETURN CASE WHEN pgcoord.ears_code(channel) IS NULL THEN false
+                ELSE pg_catalog.pg_advisory_unlock_shared(pgcoord.ears_ns(), pgcoord.ears_code(channel)) END;
+
+-- NOTIFY `channel` if a session listens to it: a registered one, or this very
+-- session (which cannot see its own register). True when it was sent.
+CREATE FUNCTION pgcoord.notify_heard(channel text, payload text) RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    DECLARE
+        code integer := pgcoord.ears_code(channel);
+    BEGIN
+        -- One test at a time (SQL does not promise to evaluate AND left to right):
+        -- the exclusive try on the ears is taken only when the gate was, and always
+        -- given back at once.
+        IF code IS NOT NULL AND NOT channel = ANY (pg_catalog.pg_listening_channels()) THEN
+            IF pg_catalog.pg_try_advisory_xact_lock_shared(pgcoord.ears_ns(), code + 100) THEN
+                IF pg_catalog.pg_try_advisory_lock(pgcoord.ears_ns(), code) THEN
+                    PERFORM pg_catalog.pg_advisory_unlock(pgcoord.ears_ns(), code);
+                    RETURN false;   -- nobody listens, and nobody starts before we commit
+                END IF;
+            END IF;
+        END IF;
+        PERFORM pg_catalog.pg_notify(channel, payload);
+        RETURN true;
+    END
+    $body$;
+
+-- 0004's membership news, told only when heard.
+CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id integer, reason text)
+    RETURNS void
+    LANGUAGE sql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+        SELECT pgcoord.notify_heard('pgcoord_members',
+            pg_catalog.json_build_object('ev', ev, 'group', grp, 'id', member_id,
+                                         'reason', reason)::text)
+    $body$;
+
+-- 0004's lease news, told only when heard. A renewal changes neither holder nor
+-- fence and tells nothing, as before.
+CREATE OR REPLACE FUNCTION pgcoord.lease_news() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    BEGIN
+        IF TG_OP = 'UPDATE' AND NEW.fence IS DISTINCT FROM OLD.fence THEN
+            NEW.resign_requested_at := NULL;   -- a request is for the term it was made in
+        END IF;
+        IF TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence
+           OR NEW.holder IS DISTINCT FROM OLD.holder THEN
+            PERFORM pgcoord.notify_heard('pgcoord_leases', pg_catalog.json_build_object(
+                'ev', CASE WHEN NEW.holder IS NULL THEN 'released' ELSE 'acquired' END,
+                'name', NEW.name, 'holder', NEW.holder, 'fence', NEW.fence)::text);
+        ELSIF NEW.resign_requested_at IS NOT NULL AND OLD.resign_requested_at IS NULL THEN
+            PERFORM pgcoord.notify_heard('pgcoord_leases', pg_catalog.json_build_object(
+                'ev', 'resign', 'name', NEW.name, 'holder', NEW.holder, 'fence', NEW.fence)::text);
+        END IF;
+        RETURN NEW;
+    END
+    $body$;
+
+-- 0006's schedule news, told only when heard. The counter still moves: every
+-- replica reads it each tick, which is how one that does not listen learns.
+CREATE OR REPLACE FUNCTION pgcoord.schedules_changed() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    DECLARE
+        bumped bigint;
+    BEGIN
+        IF NOT EXISTS (SELECT 1 FROM changed) THEN
+            RETURN NULL;
+        END IF;
+        UPDATE pgcoord.schedule_epoch SET epoch = epoch + 1 RETURNING epoch INTO bumped;
+        PERFORM pgcoord.notify_heard('pgcoord_schedules', bumped::text);
+        RETURN NULL;
+    END
+    $body$;
+
+CREATE OR REPLACE FUNCTION pgcoord.schedule_owed_added() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM added) THEN
+            PERFORM pgcoord.notify_heard('pgcoord_schedules', 'owed');
+        END IF;
+        RETURN NULL;
+    END
+    $body$;
+
+-- Every other function of the schema: a role's own search_path (a schema of its
+-- own first, holding a table or a function of the same name) must not change
+-- what pgcoord's functions mean. Also pins any function an earlier migration
+-- added; a function created or replaced later must carry the clause itself
+-- (tests/integration/test_search_path.py checks that every one does).
+DO $pin$
+DECLARE
+    fn text;
+BEGIN
+    FOR fn IN
+        SELECT 'pgcoord.' || pg_catalog.quote_ident(p.proname) || '('
+               || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')'
+        FROM pg_catalog.pg_proc AS p
+        WHERE p.pronamespace = 'pgcoord'::regnamespace AND p.prokind IN ('f', 'p')
+          AND NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(p.proconfig) AS c(s)
+                          WHERE pg_catalog.starts_with(c.s, 'search_path='))
+    LOOP
+        -- (no format(): the migration runner reads a percent sign as a placeholder)
+        EXECUTE 'ALTER FUNCTION ' || fn || ' SET search_path = pg_catalog, pgcoord, pg_temp';
+    END LOOP;
+END
+$pin$;
