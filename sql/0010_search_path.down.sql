@@ -66,7 +66,7 @@ CREATE OR REPLACE FUNCTION pgcoord.schedule_owed_added() RETURNS trigger
     END
     $body$;
 
-DROP FUNCTION pgcoord.notify_heard(text, text);
+DROP FUNCTION pgcoord.notify_heard(text, text, boolean);
 DROP FUNCTION pgcoord.ears_close(text);
 DROP FUNCTION pgcoord.ears_open(text);
 DROP FUNCTION pgcoord.ears_code(text);

@@ -67,8 +67,10 @@ CREATE FUNCTION pgcoord.ears_close(channel text) RETURNS boolean
                 ELSE pg_catalog.pg_advisory_unlock_shared(pgcoord.ears_ns(), pgcoord.ears_code(channel)) END;
 
 -- NOTIFY `channel` if a session listens to it: a registered one, or this very
--- session (which cannot see its own register). True when it was sent.
-CREATE FUNCTION pgcoord.notify_heard(channel text, payload text) RETURNS boolean
+-- session (which cannot see its own register) unless `mine` says that the news is
+-- of no use to it. True when it was sent.
+CREATE FUNCTION pgcoord.notify_heard(channel text, payload text, mine boolean DEFAULT true)
+    RETURNS boolean
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
@@ -78,7 +80,8 @@ CREATE FUNCTION pgcoord.notify_heard(channel text, payload text) RETURNS boolean
         -- One test at a time (SQL does not promise to evaluate AND left to right):
         -- the exclusive try on the ears is taken only when the gate was, and always
         -- given back at once.
-        IF code IS NOT NULL AND NOT channel = ANY (pg_catalog.pg_listening_channels()) THEN
+        IF code IS NOT NULL AND NOT (mine AND EXISTS (
+               SELECT 1 FROM pg_catalog.pg_listening_channels() AS l(c) WHERE l.c = channel)) THEN
             IF pg_catalog.pg_try_advisory_xact_lock_shared(pgcoord.ears_ns(), code + 100) THEN
                 IF pg_catalog.pg_try_advisory_lock(pgcoord.ears_ns(), code) THEN
                     PERFORM pg_catalog.pg_advisory_unlock(pgcoord.ears_ns(), code);
@@ -91,7 +94,8 @@ CREATE FUNCTION pgcoord.notify_heard(channel text, payload text) RETURNS boolean
     END
     $body$;
 
--- 0004's membership news, told only when heard.
+-- 0004's membership news, told only when heard. A joining session listens before
+-- it joins (so that it misses nothing after), but its own join is no news to it.
 CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id integer, reason text)
     RETURNS void
     LANGUAGE sql
@@ -99,7 +103,8 @@ CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id in
     AS $body$
         SELECT pgcoord.notify_heard('pgcoord_members',
             pg_catalog.json_build_object('ev', ev, 'group', grp, 'id', member_id,
-                                         'reason', reason)::text)
+                                         'reason', reason)::text,
+            ev <> 'joined')
     $body$;
 
 -- 0004's lease news, told only when heard. A renewal changes neither holder nor

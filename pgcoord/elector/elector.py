@@ -527,6 +527,10 @@ class Elector:
         bell_first = self._member is not None
         bell = self._bell
         try:
+            if not bell_first and not self._watchers:
+                # Our own release is news to nobody here: stop listening first, so
+                # that the release is not told to this session alone.
+                await self._tune_news(leading=False)
             if rang and bell_first and bell is not None:
                 await bell.unring()
             # On a member's shared session no wait may be long (see member_session).
