@@ -17,6 +17,9 @@ CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id in
                                          'reason', reason)::text)
     $body$;
 
+DROP TRIGGER lease_told ON pgcoord.leases;
+DROP FUNCTION pgcoord.lease_told();
+
 CREATE OR REPLACE FUNCTION pgcoord.lease_news() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pgcoord, pg_temp

@@ -107,16 +107,30 @@ CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id in
             ev <> 'joined')
     $body$;
 
--- 0004's lease news, told only when heard. A renewal changes neither holder nor
--- fence and tells nothing, as before.
+-- 0004's lease news, told only when heard, and once per change. It was told from
+-- the BEFORE INSERT OR UPDATE trigger, which an upsert (lease_acquire's INSERT ...
+-- ON CONFLICT DO UPDATE) fires twice: for the row it proposes (told as acquired
+-- with the old fence, though no row was inserted) and for the update. An AFTER
+-- trigger fires only for what happened. The BEFORE trigger keeps the one thing it
+-- must do before the write: a resign request is for the term it was made in. A
+-- renewal changes neither holder nor fence and tells nothing, as before.
 CREATE OR REPLACE FUNCTION pgcoord.lease_news() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
     BEGIN
         IF TG_OP = 'UPDATE' AND NEW.fence IS DISTINCT FROM OLD.fence THEN
-            NEW.resign_requested_at := NULL;   -- a request is for the term it was made in
+            NEW.resign_requested_at := NULL;
         END IF;
+        RETURN NEW;
+    END
+    $body$;
+
+CREATE FUNCTION pgcoord.lease_told() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    BEGIN
         IF TG_OP = 'INSERT' OR NEW.fence IS DISTINCT FROM OLD.fence
            OR NEW.holder IS DISTINCT FROM OLD.holder THEN
             PERFORM pgcoord.notify_heard('pgcoord_leases', pg_catalog.json_build_object(
@@ -126,9 +140,12 @@ CREATE OR REPLACE FUNCTION pgcoord.lease_news() RETURNS trigger
             PERFORM pgcoord.notify_heard('pgcoord_leases', pg_catalog.json_build_object(
                 'ev', 'resign', 'name', NEW.name, 'holder', NEW.holder, 'fence', NEW.fence)::text);
         END IF;
-        RETURN NEW;
+        RETURN NULL;
     END
     $body$;
+
+CREATE TRIGGER lease_told AFTER INSERT OR UPDATE ON pgcoord.leases
+    FOR EACH ROW EXECUTE FUNCTION pgcoord.lease_told();
 
 -- 0006's schedule news, told only when heard. The counter still moves: every
 -- replica reads it each tick, which is how one that does not listen learns.
