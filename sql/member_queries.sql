@@ -120,14 +120,14 @@ WITH arg AS (SELECT CAST($1 AS integer[]) AS ids), dead AS (
       AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
                         WHERE d.datname = pg_catalog.current_database())
 )
-SELECT (SELECT count(*) FROM woken)::integer AS woken,
-       (SELECT sum(pgcoord.job_expire_member_claims(x)) FROM arg, pg_catalog.unnest(arg.ids) AS x)
+SELECT (SELECT pg_catalog.count(*) FROM woken)::integer AS woken,
+       (SELECT pg_catalog.sum(pgcoord.job_expire_member_claims(x)) FROM arg, pg_catalog.unnest(arg.ids) AS x)
            AS claims_expired
 
 -- name: lease_poke
 -- Lease $1 was let go of: wake its candidates (the sessions holding its candidacy
 -- lock, see member_settle). Returns how many.
-SELECT count(pg_catalog.pg_cancel_backend(l.pid))::integer
+SELECT pg_catalog.count(pg_catalog.pg_cancel_backend(l.pid))::integer
 FROM pg_catalog.pg_locks AS l
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
   AND ((l.classid::bigint << 32) | l.objid::bigint) = pgcoord.lock_key('pgcoord.candidate:' || $1)
@@ -151,7 +151,7 @@ waiting AS (
     WHERE a.datid = db.oid AND a.state = 'active'
       AND pg_catalog.strpos(a.query, 'pgcoord:member' || '_idle') > 0  -- split: not this text
 )
-SELECT count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
+SELECT pg_catalog.count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
 WHERE w.pid <> pg_catalog.pg_backend_pid()
 
 -- name: member_cancel_watch

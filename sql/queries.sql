@@ -245,7 +245,7 @@ SELECT pgcoord.ears_close($1)
 -- A watch() began while the elector's own session ($1) waits on the doorbell,
 -- listening to nothing: cut that wait (only a wait on an advisory lock) so that
 -- it LISTENs before waiting again. True when it was cut.
-SELECT coalesce(bool_or(pg_catalog.pg_cancel_backend(a.pid)), false)
+SELECT coalesce(pg_catalog.bool_or(pg_catalog.pg_cancel_backend(a.pid)), false)
 FROM pg_catalog.pg_stat_activity AS a
 WHERE a.pid = $1 AND a.wait_event_type = 'Lock' AND a.wait_event = 'advisory'
 
@@ -264,7 +264,7 @@ SELECT pg_catalog.clock_timestamp(),
        pg_catalog.array_agg(m.last ORDER BY u.ord)
 FROM pg_catalog.unnest(CAST($1 AS text[])) WITH ORDINALITY AS u(job, ord)
 CROSS JOIN LATERAL (
-    SELECT max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
+    SELECT pg_catalog.max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
 ) AS m
 
 -- name: job_claim
