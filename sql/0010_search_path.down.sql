@@ -1,8 +1,8 @@
 -- pgcoord 0010 down: pgcoord's news is told again whether heard or not (0004's
 -- and 0006's bodies), and the register of listeners goes.
 --
--- The pinned search_path stays on every function, including the four put back
--- here: it changes nothing for a role with the default search_path, removing it
+-- The pinned search_path stays on every function, including four put back here
+-- (member_sessions_alive goes back as it was: a string body, inlined, unpinned): it changes nothing for a role with the default search_path, removing it
 -- would only reopen the hole, and a down migration cannot tell which functions a
 -- later (or concurrent) migration pinned on purpose. Going up again pins what
 -- is left unpinned and skips the rest.
@@ -17,6 +17,7 @@ CREATE OR REPLACE FUNCTION pgcoord.member_notify(ev text, grp text, member_id in
                                          'reason', reason)::text)
     $body$;
 
+DROP TRIGGER lease_told_changed ON pgcoord.leases;
 DROP TRIGGER lease_told ON pgcoord.leases;
 DROP FUNCTION pgcoord.lease_told();
 
@@ -67,6 +68,17 @@ CREATE OR REPLACE FUNCTION pgcoord.schedule_owed_added() RETURNS trigger
         END IF;
         RETURN NULL;
     END
+    $body$;
+
+CREATE OR REPLACE FUNCTION pgcoord.member_sessions_alive() RETURNS TABLE (id integer, pid integer)
+    LANGUAGE sql STABLE
+    AS $body$
+        SELECT l.objid::bigint::integer, l.pid
+        FROM pg_catalog.pg_locks AS l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+          AND l.classid = pgcoord.member_alive_ns()::oid
+          AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                            WHERE d.datname = pg_catalog.current_database())
     $body$;
 
 DROP FUNCTION pgcoord.notify_heard(text, text, boolean);

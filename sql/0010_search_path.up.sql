@@ -144,8 +144,14 @@ CREATE FUNCTION pgcoord.lease_told() RETURNS trigger
     END
     $body$;
 
-CREATE TRIGGER lease_told AFTER INSERT OR UPDATE ON pgcoord.leases
+-- A renewal (the hot path: every holder, every ttl/3) does not even call it.
+CREATE TRIGGER lease_told AFTER INSERT ON pgcoord.leases
     FOR EACH ROW EXECUTE FUNCTION pgcoord.lease_told();
+CREATE TRIGGER lease_told_changed AFTER UPDATE ON pgcoord.leases
+    FOR EACH ROW
+    WHEN (NEW.fence IS DISTINCT FROM OLD.fence OR NEW.holder IS DISTINCT FROM OLD.holder
+          OR (NEW.resign_requested_at IS NOT NULL AND OLD.resign_requested_at IS NULL))
+    EXECUTE FUNCTION pgcoord.lease_told();
 
 -- 0006's schedule news, told only when heard. The counter still moves: every
 -- replica reads it each tick, which is how one that does not listen learns.
@@ -177,11 +183,41 @@ CREATE OR REPLACE FUNCTION pgcoord.schedule_owed_added() RETURNS trigger
     END
     $body$;
 
--- Every other function of the schema: a role's own search_path (a schema of its
--- own first, holding a table or a function of the same name) must not change
--- what pgcoord's functions mean. Also pins any function an earlier migration
--- added; a function created or replaced later must carry the clause itself
--- (tests/integration/test_search_path.py checks that every one does).
+-- 0004's live-member read, bound when created: a SQL-standard body (BEGIN ATOMIC)
+-- is parsed once, here, so a caller's search_path cannot change what its names and
+-- operators mean, and it can still be inlined into pgcoord.members (a SET clause
+-- would forbid that: measured, it made member_heartbeat 1.6x slower). Created
+-- through EXECUTE, with this migration's own search_path pinned meanwhile, since the
+-- body's semicolons would split the file.
+DO $bind$
+DECLARE
+    saved text := pg_catalog.current_setting('search_path');
+BEGIN
+    PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pgcoord, pg_temp', true);
+    EXECUTE $fn$
+        CREATE OR REPLACE FUNCTION pgcoord.member_sessions_alive() RETURNS TABLE (id integer, pid integer)
+            LANGUAGE sql STABLE
+        BEGIN ATOMIC
+            SELECT l.objid::bigint::integer, l.pid
+            FROM pg_catalog.pg_locks AS l
+            WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+              AND l.classid = pgcoord.member_alive_ns()::oid
+              AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                                WHERE d.datname = pg_catalog.current_database());
+        END
+    $fn$;
+    PERFORM pg_catalog.set_config('search_path', saved, true);
+END
+$bind$;
+
+-- Every other function of the schema whose body is a string, parsed at each call
+-- under the caller's search_path: a role's own search_path (a schema of its own
+-- first, holding a table, a function or an operator of the same name) must not
+-- change what pgcoord's functions mean. Also pins any such function an earlier
+-- migration added; a function created or replaced later must carry the clause
+-- itself, or have a SQL-standard body (RETURN, BEGIN ATOMIC), bound when created
+-- and left unpinned so that it can be inlined (tests/integration/test_search_path.py
+-- checks that every function is one or the other).
 DO $pin$
 DECLARE
     fn text;
@@ -191,6 +227,7 @@ BEGIN
                || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')'
         FROM pg_catalog.pg_proc AS p
         WHERE p.pronamespace = 'pgcoord'::regnamespace AND p.prokind IN ('f', 'p')
+          AND p.prosqlbody IS NULL
           AND NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(p.proconfig) AS c(s)
                           WHERE pg_catalog.starts_with(c.s, 'search_path='))
     LOOP

@@ -54,6 +54,9 @@ create function hostile.max_sf(timestamptz, timestamptz) returns timestamptz
 create aggregate hostile.max(timestamptz) (sfunc = hostile.max_sf, stype = timestamptz);
 create function hostile.count_sf(bigint) returns bigint language sql as $$ select 1000::bigint $$;
 create aggregate hostile.count(*) (sfunc = hostile.count_sf, stype = bigint, initcond = '1000');
+create function hostile.never_equal(integer, integer) returns boolean
+    language sql immutable as $$ select false $$;
+create operator hostile.= (leftarg = integer, rightarg = integer, function = hostile.never_equal);
 """
 
 
@@ -74,8 +77,11 @@ def hostile_dsn(pg_server: Server) -> Iterator[str]:
     hostile = url.replace("postgresql://postgres@", f"postgresql://{role}@", 1)
     assert hostile != url
     with psycopg.connect(hostile, autocommit=True) as conn:
+        # The role really sees the hostile objects first.
         assert conn.execute("select clock_timestamp()").fetchone() == (
             conn.execute("select timestamptz '2000-01-01'").fetchone())
+        assert conn.execute("select 1::integer = 1::integer").fetchone() == (False,)
+        assert conn.execute("select count(*) from pg_class").fetchone() == (1000,)
     try:
         yield hostile
     finally:
@@ -97,16 +103,25 @@ async def pool(hostile_dsn: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 def unpinned(dsn: str) -> list[str]:
+    """Functions of the schema whose meaning a caller's search_path could change: a
+    string body (parsed at each call, under the caller's search_path) without the
+    pinned search_path. A SQL-standard body (RETURN, BEGIN ATOMIC) is bound when
+    created, and is left unpinned so that the planner can inline it."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         return [str(r[0]) for r in conn.execute(
             "select p.oid::regprocedure::text from pg_proc p"
             " where p.pronamespace = 'pgcoord'::regnamespace and p.prokind in ('f', 'p')"
+            "   and p.prosqlbody is null"
             "   and not coalesce(%s = any(p.proconfig), false) order by 1", (PIN,)).fetchall()]
 
 
-def test_every_function_of_the_schema_pins_its_search_path(dsn: str) -> None:
+def test_every_function_of_the_schema_pins_its_search_path_or_is_bound_when_created(dsn: str) -> None:
     """Fails for any function a later migration creates or replaces without the clause."""
     assert unpinned(dsn) == []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # The live-member read is inlined into pgcoord.members (the heartbeat's hot path).
+        assert conn.execute("select prosqlbody is not null and proconfig is null from pg_proc"
+                            " where oid = 'pgcoord.member_sessions_alive()'::regprocedure").fetchone() == (True,)
 
 
 def test_the_pin_survives_going_down_and_up_again(fresh_db: str) -> None:
