@@ -405,11 +405,10 @@ class Elector:
                           fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
         try:
             # A resign request is heard at once while leading (or at the next renewal,
-            # which also says so: so a LISTEN that failed costs nothing else).
-            try:
-                await self._tune_news(leading=True)
-            except Exception as exc:
-                log.info("elector %r: listening for resign requests failed: %r", self.name, exc)
+            # which also says so: so a LISTEN that failed costs nothing else). Bounded
+            # by the trust window, as a renewal is: a session that cannot answer by
+            # then is cut, and the loop below steps down.
+            await self._listen_while_leading(tenure.trust.until)
             while True:
                 timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
                 news = asyncio.ensure_future(self._news.wait())
@@ -474,6 +473,20 @@ class Elector:
                 await self._end_duty(duty, insist_from)
             finally:
                 await self._resign_bounded(fence, rang)
+
+    async def _listen_while_leading(self, until: float) -> None:
+        tuning = asyncio.ensure_future(self._tune_news(leading=True))
+        try:
+            await asyncio.wait({tuning}, timeout=max(0.0, until - time.monotonic()))
+        except BaseException:
+            tuning.cancel()
+            raise
+        if not tuning.done():
+            tuning.cancel()
+            self._abandon_session()
+            await asyncio.wait({tuning})  # ends at once: its connection is cut
+        elif not tuning.cancelled() and (error := tuning.exception()) is not None:
+            log.info("elector %r: listening for resign requests failed: %r", self.name, error)
 
     def _say_why(self, reason: str, duty: asyncio.Task[Any], fence: int) -> None:
         if not reason:
