@@ -81,6 +81,7 @@ CREATE OR REPLACE FUNCTION pgcoord.member_sessions_alive() RETURNS TABLE (id int
                             WHERE d.datname = pg_catalog.current_database())
     $body$;
 
+DROP FUNCTION pgcoord.member_reap_dead();
 DROP FUNCTION pgcoord.notify_heard(text, text, boolean);
 DROP FUNCTION pgcoord.ears_close(text);
 DROP FUNCTION pgcoord.ears_open(text);

@@ -153,6 +153,51 @@ CREATE TRIGGER lease_told_changed AFTER UPDATE ON pgcoord.leases
           OR (NEW.resign_requested_at IS NOT NULL AND OLD.resign_requested_at IS NULL))
     EXECUTE FUNCTION pgcoord.lease_told();
 
+-- A watcher granted a dead member's lock reaps every dead member at once (deaths
+-- come together: a process with several members, a host). Told in one NOTIFY per
+-- group (per hundred dead, to stay well under the 8000-byte payload limit) rather
+-- than one per dead member: each listening session is signalled once, not once per
+-- death. The payload keeps the first death's "id" and "reason", as one death's news
+-- has them, and lists them all in "ids" ([[id, reason], ...]). Returns what this
+-- statement marked, as [[id, reason], ...] (a member marked already was told by
+-- whoever marked it). Replaces the runtime statement of the same name, which marked
+-- and told them one by one.
+CREATE FUNCTION pgcoord.member_reap_dead() RETURNS text
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    DECLARE
+        chunk record;
+        marked jsonb := '[]'::jsonb;
+    BEGIN
+        FOR chunk IN
+            WITH alive AS MATERIALIZED (SELECT a.id, a.pid FROM pgcoord.member_sessions_alive() AS a),
+            gone AS (
+                UPDATE pgcoord.member_sessions AS m
+                   SET left_at = pg_catalog.clock_timestamp(),
+                       left_reason = pgcoord.member_left_reason(m.heartbeat_at, m.ttl_ms)
+                 WHERE m.left_at IS NULL AND m.has_session
+                   AND NOT EXISTS (SELECT 1 FROM alive AS a WHERE a.id = m.id AND a.pid = m.pid)
+                RETURNING m.id, m."group" AS grp, m.left_reason AS why
+            ),
+            numbered AS (
+                SELECT g.id, g.grp, g.why,
+                       (pg_catalog.row_number() OVER (PARTITION BY g.grp ORDER BY g.id) - 1) / 100 AS part
+                FROM gone AS g
+            )
+            SELECT n.grp, pg_catalog.jsonb_agg(pg_catalog.jsonb_build_array(n.id, n.why) ORDER BY n.id) AS ids
+            FROM numbered AS n
+            GROUP BY n.grp, n.part
+        LOOP
+            marked := marked || chunk.ids;
+            PERFORM pgcoord.notify_heard('pgcoord_members', pg_catalog.json_build_object(
+                'ev', 'left', 'group', chunk.grp, 'id', chunk.ids -> 0 -> 0,
+                'reason', chunk.ids -> 0 ->> 1, 'ids', chunk.ids)::text);
+        END LOOP;
+        RETURN marked::text;
+    END
+    $body$;
+
 -- 0006's schedule news, told only when heard. The counter still moves: every
 -- replica reads it each tick, which is how one that does not listen learns.
 CREATE OR REPLACE FUNCTION pgcoord.schedules_changed() RETURNS trigger

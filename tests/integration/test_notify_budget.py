@@ -236,6 +236,60 @@ async def test_crash_news_still_reaches_a_watcher_fast(db: str) -> None:
         changes.close()
 
 
+PROCESS = """
+import asyncio, sys
+import pgcoord
+
+async def main(dsn, group):
+    members = [pgcoord.Member(dsn, group=group, ttl=30.0) for _ in range(3)]
+    await asyncio.gather(*(m.open() for m in members))
+    print("JOINED", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_members_dying_together_are_told_in_one_notify(db: str) -> None:
+    """A process that takes three members with it: the watcher that finds them reaps
+    them in one statement, and tells them in one NOTIFY (each listening session is
+    signalled once, not once per death)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    g = name("g")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", PROCESS, db, g], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "JOINED"
+        async with pgcoord.Member(db, group=g, ttl=30.0) as a:
+            changes = a.watch()
+            left: list[pgcoord.MemberLeft] = []
+
+            async def collect() -> None:
+                async for change in changes:
+                    if isinstance(change, pgcoord.MemberLeft):
+                        left.append(change)
+
+            collecting = asyncio.create_task(collect())
+            await until(lambda: "pgcoord_members" in a._listening and len(a._view) == 4, 10)
+            with NotifySpy(db) as spy:
+                proc.send_signal(signal.SIGKILL)
+                await until(lambda: len(left) == 3, 5)
+                assert {c.reason for c in left} == {"crashed"}
+                assert spy.take() == {"pgcoord_members": 1}
+            collecting.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
 # -- schedules and semaphores -----------------------------------------------------------------
 
 
