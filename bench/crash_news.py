@@ -187,9 +187,11 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.proc.kill()
         ms = [x * 1000 for x in samples]
-        print("| members | dying at once | samples | p50 | p99 | max | a plain lock wait's grant |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-        print(f"| {total} | {args.per} | {len(ms)} | {percentile(ms, 50):.1f} ms | "
+        # The first survivor to know every death: the reap and its NOTIFY; the rest of
+        # the spread is the survivors' own processes waking on a shared machine.
+        print("| members | dying at once | samples | first | p50 | p99 | max | a plain lock wait's grant |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"| {total} | {args.per} | {len(ms)} | {min(ms):.1f} ms | {percentile(ms, 50):.1f} ms | "
               f"{percentile(ms, 99):.1f} ms | {max(ms):.1f} ms | {floor * 1000:.1f} ms |")
 
 
