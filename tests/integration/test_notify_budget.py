@@ -171,7 +171,8 @@ async def test_a_resign_request_still_reaches_a_plain_leader_at_once(db: str) ->
     run = asyncio.create_task(elector.run(lead))
     try:
         await asyncio.wait_for(led.wait(), 10)
-        await until(lambda: registered(db, 1) != [], 5)
+        await until(lambda: elector._heard is not None, 5)  # its LISTEN is in place
+        assert registered(db, 1) != []
         with NotifySpy(db) as spy:
             asked = time.monotonic()
             with psycopg.connect(db, autocommit=True) as conn:
