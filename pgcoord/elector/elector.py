@@ -476,15 +476,23 @@ class Elector:
 
     async def _listen_while_leading(self, until: float) -> None:
         tuning = asyncio.ensure_future(self._tune_news(leading=True))
+        lost = self._lost
+        lost_waiter = asyncio.ensure_future(lost.wait()) if lost is not None else None
         try:
-            await asyncio.wait({tuning}, timeout=max(0.0, until - time.monotonic()))
+            await asyncio.wait({tuning} | ({lost_waiter} if lost_waiter else set()),
+                               timeout=max(0.0, until - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             tuning.cancel()
             raise
+        finally:
+            if lost_waiter is not None:
+                lost_waiter.cancel()
         if not tuning.done():
+            # Past the trust window, or the session is gone: the loop steps down.
             tuning.cancel()
             self._abandon_session()
-            await asyncio.wait({tuning})  # ends at once: its connection is cut
+            await asyncio.wait({tuning}, timeout=CLEANUP_TIMEOUT)  # its connection is cut
         elif not tuning.cancelled() and (error := tuning.exception()) is not None:
             log.info("elector %r: listening for resign requests failed: %r", self.name, error)
 
