@@ -387,6 +387,12 @@ class Elector:
         self._resign_asked = None
         tenure = Tenure(self.name, window)
         tenure.taken(fence, sent)
+        # A resign request is heard at once while leading (or at the next renewal,
+        # which also says so: so a LISTEN that failed costs nothing else). Before
+        # lead() starts, so that nothing else uses the session meanwhile; bounded by
+        # the trust window, as a renewal is: a session that cannot answer by then is
+        # cut, and the loop below steps down at once.
+        await self._listen_while_leading(tenure.trust.until)
         every = min(self.ttl, window) / 3  # renew well inside the trust window
         next_renewal = sent + every
         self._tenure, self._fence, self._leading = tenure, fence, True
@@ -404,11 +410,6 @@ class Elector:
         renewal = Renewal(renew, every=every, retry_every=self.ttl / 10, abandon=self._abandon_session,
                           fatal=lambda error: isinstance(error, _SessionLost | SchemaMissing))
         try:
-            # A resign request is heard at once while leading (or at the next renewal,
-            # which also says so: so a LISTEN that failed costs nothing else). Bounded
-            # by the trust window, as a renewal is: a session that cannot answer by
-            # then is cut, and the loop below steps down.
-            await self._listen_while_leading(tenure.trust.until)
             while True:
                 timeout = max(0.0, min(next_renewal, tenure.trust.until) - time.monotonic())
                 news = asyncio.ensure_future(self._news.wait())
