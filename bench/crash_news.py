@@ -36,6 +36,10 @@ async def process(dsn: str, group: str, prefix: str, per: int) -> None:
     members = [pgcoord.Member(dsn, group=group, name=f"{prefix}/{i}", ttl=30) for i in range(per)]
     await asyncio.gather(*(m.open() for m in members))
     watches = [m.watch() for m in members]
+    # Ready once every member listens (a watch() starts listening in the background):
+    # a death before that is not this benchmark's business.
+    while not all("pgcoord_members" in m._listening for m in members):
+        await asyncio.sleep(0.01)
     pids = ",".join(str(m._main.backend_pid) for m in members if m._main is not None)
     print(f"JOINED {pids}", flush=True)
 
@@ -145,6 +149,7 @@ def main() -> None:
         try:
             for _ in range(args.rounds):
                 victim = procs.pop(len(procs) // 2)
+                assert wait_until(lambda: all(p.pids() for p in procs), 60), "not every process listens"
                 survivors = list(procs)
                 killed = time.time()
                 victim.proc.send_signal(signal.SIGKILL)
@@ -160,6 +165,12 @@ def main() -> None:
                         samples.append(max(sorted(times)[:victim.per]) - killed)
                 if not told:
                     print("| (a round timed out: not every survivor saw every death) |", flush=True)
+                    for s in survivors:
+                        seen = s.seen("LEFT", victim.prefix)
+                        short = {i: len(v) for i, v in seen.items() if len(v) < victim.per}
+                        if len(seen) < s.per or short:
+                            print(f"|   {s.prefix} (round {len(samples)}): {len(seen)} of {s.per} members saw deaths; "
+                                  f"short: {short} |", flush=True)
                 victim.proc.wait()
                 replacement = Proc(dsn, group, args.per)
                 procs.append(replacement)
@@ -176,9 +187,11 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.proc.kill()
         ms = [x * 1000 for x in samples]
-        print("| members | dying at once | samples | p50 | p99 | max | a plain lock wait's grant |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-        print(f"| {total} | {args.per} | {len(ms)} | {percentile(ms, 50):.1f} ms | "
+        # The first survivor to know every death: the reap and its NOTIFY; the rest of
+        # the spread is the survivors' own processes waking on a shared machine.
+        print("| members | dying at once | samples | first | p50 | p99 | max | a plain lock wait's grant |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print(f"| {total} | {args.per} | {len(ms)} | {min(ms):.1f} ms | {percentile(ms, 50):.1f} ms | "
               f"{percentile(ms, 99):.1f} ms | {max(ms):.1f} ms | {floor * 1000:.1f} ms |")
 
 

@@ -28,24 +28,14 @@ SELECT pgcoord.member_leave($1)
 SELECT pgcoord.member_reap($1)
 
 -- name: member_reap_dead
--- After a watcher was granted a dead member's alive lock: mark gone (and announce)
--- every member with a session whose alive lock no session holds, in every group,
--- in one statement. Deaths come together (a process with several members, a
--- host): the watcher does not find its dead successors one after another. A row
--- is written only after its member took its lock, so a row without a held lock
--- is a dead member's. Returns [[id, reason or null], ...].
+-- After a watcher was granted a dead member's alive lock: mark gone, and announce in
+-- one NOTIFY per group, every member with a session whose alive lock no session
+-- holds, in every group (pgcoord.member_reap_dead, 0010). A row is written only
+-- after its member took its lock, so a row without a held lock is a dead member's.
+-- Returns [[id, reason], ...] for those this statement marked.
 -- (A dead member's lock may be held by a watcher that was granted it: only the
 -- member's own session, its pid, holding it makes it alive.)
-WITH alive AS MATERIALIZED (SELECT a.id, a.pid FROM pgcoord.member_sessions_alive() AS a),
-dead AS (
-    SELECT m.id FROM pgcoord.member_sessions AS m
-    WHERE m.left_at IS NULL AND m.has_session
-      AND NOT EXISTS (SELECT 1 FROM alive WHERE alive.id = m.id AND alive.pid = m.pid)
-    ORDER BY m.id
-)
-SELECT coalesce(pg_catalog.json_agg(pg_catalog.json_build_array(
-           d.id, pgcoord.member_mark_gone(d.id, NULL))), '[]')::text
-FROM dead AS d
+SELECT pgcoord.member_reap_dead()
 
 -- name: member_heartbeat
 SELECT pgcoord.member_heartbeat($1)
@@ -120,14 +110,14 @@ WITH arg AS (SELECT CAST($1 AS integer[]) AS ids), dead AS (
       AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
                         WHERE d.datname = pg_catalog.current_database())
 )
-SELECT (SELECT count(*) FROM woken)::integer AS woken,
-       (SELECT sum(pgcoord.job_expire_member_claims(x)) FROM arg, pg_catalog.unnest(arg.ids) AS x)
+SELECT (SELECT pg_catalog.count(*) FROM woken)::integer AS woken,
+       (SELECT pg_catalog.sum(pgcoord.job_expire_member_claims(x)) FROM arg, pg_catalog.unnest(arg.ids) AS x)
            AS claims_expired
 
 -- name: lease_poke
 -- Lease $1 was let go of: wake its candidates (the sessions holding its candidacy
 -- lock, see member_settle). Returns how many.
-SELECT count(pg_catalog.pg_cancel_backend(l.pid))::integer
+SELECT pg_catalog.count(pg_catalog.pg_cancel_backend(l.pid))::integer
 FROM pg_catalog.pg_locks AS l
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
   AND ((l.classid::bigint << 32) | l.objid::bigint) = pgcoord.lock_key('pgcoord.candidate:' || $1)
@@ -151,7 +141,7 @@ waiting AS (
     WHERE a.datid = db.oid AND a.state = 'active'
       AND pg_catalog.strpos(a.query, 'pgcoord:member' || '_idle') > 0  -- split: not this text
 )
-SELECT count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
+SELECT pg_catalog.count(pg_catalog.pg_cancel_backend(w.pid))::integer FROM waiting AS w
 WHERE w.pid <> pg_catalog.pg_backend_pid()
 
 -- name: member_cancel_watch

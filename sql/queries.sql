@@ -241,6 +241,23 @@ SELECT pgcoord.check_fence($1, $2)
 SELECT holder, fence, expires_at FROM pgcoord.leases
 WHERE name = $1 AND holder IS NOT NULL AND expires_at > pg_catalog.clock_timestamp()
 
+-- name: ears_open
+-- Before a LISTEN on one of pgcoord's broadcast channels: register this session
+-- as a listener, so that the news is told at all (pgcoord.notify_heard, 0010).
+SELECT pgcoord.ears_open($1)
+
+-- name: ears_close
+-- After the UNLISTEN: this session no longer needs the channel's news.
+SELECT pgcoord.ears_close($1)
+
+-- name: elector_interrupt_wait
+-- A watch() began while the elector's own session ($1) waits on the doorbell,
+-- listening to nothing: cut that wait (only a wait on an advisory lock) so that
+-- it LISTENs before waiting again. True when it was cut.
+SELECT coalesce(pg_catalog.bool_or(pg_catalog.pg_cancel_backend(a.pid)), false)
+FROM pg_catalog.pg_stat_activity AS a
+WHERE a.pid = $1 AND a.wait_event_type = 'Lock' AND a.wait_event = 'advisory'
+
 -- name: elector_session
 -- The elector's own session: the server ends it after {idle_ms} ms of silence,
 -- so a paused or partitioned leader loses its doorbell lock and its lease.
@@ -256,7 +273,7 @@ SELECT pg_catalog.clock_timestamp(),
        pg_catalog.array_agg(m.last ORDER BY u.ord)
 FROM pg_catalog.unnest(CAST($1 AS text[])) WITH ORDINALITY AS u(job, ord)
 CROSS JOIN LATERAL (
-    SELECT max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
+    SELECT pg_catalog.max(s.slot_at) AS last FROM pgcoord.job_slots AS s WHERE s.job = u.job AND NOT s.manual
 ) AS m
 
 -- name: job_claim

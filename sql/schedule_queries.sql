@@ -44,7 +44,7 @@ CROSS JOIN LATERAL (
            pg_catalog.array_agg(m.last ORDER BY s.name),
            pg_catalog.array_agg(p.pauses ORDER BY s.name)
     FROM pgcoord.schedules AS s
-    CROSS JOIN LATERAL (SELECT max(j.slot_at) AS last FROM pgcoord.job_slots AS j
+    CROSS JOIN LATERAL (SELECT pg_catalog.max(j.slot_at) AS last FROM pgcoord.job_slots AS j
                         WHERE j.job = s.name AND NOT j.manual) AS m
     CROSS JOIN LATERAL (
         SELECT pg_catalog.json_agg(pg_catalog.json_build_array(
@@ -126,7 +126,7 @@ SELECT pgcoord.schedule_add($1, $2, $3, $4, CAST($5 AS jsonb), CAST($6 AS jsonb)
 -- name: schedule_get
 -- One schedule with the database clock and its latest scheduled slot (for update()).
 SELECT s.expr, s.tz, s.since, s.version, s.in_code, pg_catalog.clock_timestamp(),
-       (SELECT max(j.slot_at) FROM pgcoord.job_slots AS j WHERE j.job = s.name AND NOT j.manual)
+       (SELECT pg_catalog.max(j.slot_at) FROM pgcoord.job_slots AS j WHERE j.job = s.name AND NOT j.manual)
 FROM pgcoord.schedules AS s WHERE s.name = $1
 
 -- name: schedule_update
@@ -154,11 +154,11 @@ FROM (
            s.deadline, s.allow_overlap, s.timeout, s.max_attempts, s.in_code, s.since,
            s.paused_at, s.created_at, s.updated_at, s.version,
            l.slot_at AS last_run_at, l.state AS last_state, l.reason AS last_reason,
-           (SELECT max(j.slot_at) FROM pgcoord.job_slots AS j
+           (SELECT pg_catalog.max(j.slot_at) FROM pgcoord.job_slots AS j
             WHERE j.job = s.name AND NOT j.manual) AS last_slot_at,
-           (SELECT count(*) FROM pgcoord.job_slots AS f
+           (SELECT pg_catalog.count(*) FROM pgcoord.job_slots AS f
             WHERE f.job = s.name AND f.state IN ('failed', 'abandoned')
-              AND f.slot_at > coalesce((SELECT max(k.slot_at) FROM pgcoord.job_slots AS k
+              AND f.slot_at > coalesce((SELECT pg_catalog.max(k.slot_at) FROM pgcoord.job_slots AS k
                                         WHERE k.job = s.name AND k.state = 'succeeded'),
                                        '-infinity'))::integer AS failures_in_row
     FROM pgcoord.schedules AS s

@@ -29,29 +29,36 @@ async def campaign(el: Elector) -> tuple[int, bool, float]:
     while True:
         rang = False
         if not el.polling:
+            # A follower listens to nothing unless watched: the doorbell wakes it.
+            await el._tune_news(leading=False)
             # Block on the leader's doorbell, looking at the lease at least
             # once a ttl in case a leader leads without one.
             wait = query("advisory_timeout").format(
                 fn="pg_advisory_lock", key=el._doorbell, timeout_ms=el._ttl_ms)
+            el._ringing = True
             try:
                 await el._call_execute(wait)
                 bell.rang()
                 rang = True
             except Exception as exc:
-                code = _errmap.sqlstate(exc)
-                if code == _errmap.SQLSTATE_QUERY_CANCELED:
-                    # Someone else's pg_cancel_backend (an operator, a tool ending
-                    # what looks like a long-waiting query): that one statement is
-                    # cut, the session lives. The grant may have come just before
-                    # the cancel: let go of the bell if this wait took it.
+                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
+                    # Cut for a watch(), or by an operator's pg_cancel_backend (a
+                    # tool ending what looks like a long-waiting query): that one
+                    # statement is cut, the session lives. Listen if watched, wait
+                    # again. A cancel that came just as the lock was granted may
+                    # have left it taken, unseen: a follower holds no level of its
+                    # own doorbell while it waits, so every level is let go.
                     await el._call_execute(query("holder_undo").format(
                         key=el._doorbell, mode="ExclusiveLock", unlock_fn="pg_advisory_unlock"))
-                elif code != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                    continue
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
                     raise
                 # The leader may have gone just after the wait gave up: take
                 # the bell now if it is free, so that a lease won here is
                 # tied to this session (and a crash of ours is heard at once).
                 rang = await bell.ring()
+            finally:
+                el._ringing = False
         sent = time.monotonic()
         fence = await el._call(query("lease_acquire"), el.name, el.holder, el._ttl_ms,
                                  el._conn.backend_pid if rang else None)

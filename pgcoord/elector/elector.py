@@ -25,9 +25,12 @@ lease being released or taken (NOTIFY from the lease table's trigger), or at
 the latest a third of a ttl. Any number of electors then cost no connection
 beyond the member's two.
 
-Every lease change is told on the ``pgcoord_leases`` channel; ``watch()`` yields
-each change of leader, and ``request_resign()`` asks a leader, from anywhere, to
-step down gracefully (it hears at once, or at its next renewal).
+Every lease change is told on the ``pgcoord_leases`` channel to whoever listens;
+``watch()`` yields each change of leader, and ``request_resign()`` asks a leader,
+from anywhere, to step down gracefully (it hears at once, or at its next renewal).
+An elector listens only while it leads (for resign requests) or is watched: a
+listening session is signalled by every NOTIFY in the database (docs/members.md).
+A follower on its own session needs no news: the doorbell wakes it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from .._core.aio import (
 from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
-from .._drivers.listen import listen
+from .._drivers.listen import close_ears, listen
+from .._drivers.protocol import Unlisten
 from ..errors import PgcoordError, SchemaMissing
 from ..keys import lock_key
 from ..leases.statements import lock_timeout_setting, validate_holder, validate_name, validate_ttl
@@ -128,6 +132,10 @@ class Elector:
         # A lead() that outlived its cancellation: no new term until it ends.
         self._straggler: asyncio.Task[Any] | None = None
         self._listening = False  # on a member: listening for lease news (a watch())
+        # On its own session: how to stop the LISTEN in place, if any (while leading
+        # or watched), and whether the session waits on the doorbell right now.
+        self._heard: Unlisten | None = None
+        self._ringing = False
         self._closing = Supervisor(f"elector {name!r}", log)  # sessions cut, closing
         #: True when a transaction-mode pooler forced lease-and-poll mode.
         self.polling: bool | None = None
@@ -183,7 +191,43 @@ class Elector:
         subscription: Subscription[LeaderChanged] = Subscription(self._watchers)
         if self._member is not None and self._unhooks and not self._listening:
             self._closing.spawn(self._listen_on_member(), f"pgcoord-elector-listen:{self.name}")
+        elif self._member is None and self._heard is None and self._ringing:
+            # A follower waiting on the doorbell listens to nothing: interrupt the
+            # wait, so that it LISTENs before waiting again.
+            self._closing.spawn(self._interrupt_wait(), f"pgcoord-elector-watch:{self.name}",
+                                collected=True)
         return subscription
+
+    async def _interrupt_wait(self) -> None:
+        conn, source = self._conn, self._source
+        if conn is None or source is None:
+            return
+        other = await source.open()
+        try:
+            # The wait may not have reached the server yet: ask until it is cut (the
+            # follower then LISTENs before waiting again) or no longer waits.
+            while self._ringing and self._heard is None and conn is self._conn:
+                if await other.fetchval(query("elector_interrupt_wait"), conn.backend_pid):
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await other.give_back()
+
+    async def _tune_news(self, *, leading: bool) -> None:
+        """On its own session: LISTEN while leading or watched, else not (a listening
+        session costs every NOTIFY in the database a signal). Registered first, so
+        that the lease table's trigger tells at all (``pgcoord.notify_heard``)."""
+        conn = self._conn
+        if self._member is not None or conn is None or self.polling:
+            return
+        want = leading or bool(self._watchers)
+        if want and self._heard is None:
+            self._heard = await listen(conn, LEASE_CHANNEL, self._on_lease_news)
+        elif not want and self._heard is not None:
+            heard, self._heard = self._heard, None
+            await heard()
+            await conn.execute(f'UNLISTEN "{LEASE_CHANNEL}"')
+            await close_ears(conn, LEASE_CHANNEL)
 
     async def _listen_on_member(self) -> None:
         member = self._member
@@ -244,7 +288,6 @@ class Elector:
                 with contextlib.suppress(Exception):  # a name for operators; best effort
                     await conn.fetchval(query("lock_names_record"), self._doorbell,
                                         self._doorbell_name)
-                await listen(conn, LEASE_CHANNEL, self._on_lease_news)
         except BaseException:
             await finish_despite_cancel(conn.close_now())
             raise
@@ -280,6 +323,7 @@ class Elector:
 
     async def _drop_session(self) -> None:
         conn, self._conn = self._conn, None
+        self._heard = None  # the LISTEN and its register go with the session
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.close_now()
@@ -294,6 +338,7 @@ class Elector:
         if self._lost is not None:
             self._lost.set()
         conn, self._conn = self._conn, None
+        self._heard = None
         if conn is not None:
             conn.abort()
             self._closing.spawn(conn.close_now(), f"pgcoord-elector-close:{self.name}", collected=True)
@@ -349,6 +394,12 @@ class Elector:
         self._resign_asked = None
         tenure = Tenure(self.name, window)
         tenure.taken(fence, sent)
+        # A resign request is heard at once while leading (or at the next renewal,
+        # which also says so: so a LISTEN that failed costs nothing else). Before
+        # lead() starts, so that nothing else uses the session meanwhile; bounded by
+        # the trust window, as a renewal is: a session that cannot answer by then is
+        # cut, and the loop below steps down at once.
+        await self._listen_while_leading(tenure.trust.until)
         every = min(self.ttl, window) / 3  # renew well inside the trust window
         next_renewal = sent + every
         self._tenure, self._fence, self._leading = tenure, fence, True
@@ -431,6 +482,28 @@ class Elector:
             finally:
                 await self._resign_bounded(fence, rang)
 
+    async def _listen_while_leading(self, until: float) -> None:
+        tuning = asyncio.ensure_future(self._tune_news(leading=True))
+        lost = self._lost
+        lost_waiter = asyncio.ensure_future(lost.wait()) if lost is not None else None
+        try:
+            await asyncio.wait({tuning} | ({lost_waiter} if lost_waiter else set()),
+                               timeout=max(0.0, until - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            tuning.cancel()
+            raise
+        finally:
+            if lost_waiter is not None:
+                lost_waiter.cancel()
+        if not tuning.done():
+            # Past the trust window, or the session is gone: the loop steps down.
+            tuning.cancel()
+            self._abandon_session()
+            await asyncio.wait({tuning}, timeout=CLEANUP_TIMEOUT)  # its connection is cut
+        elif not tuning.cancelled() and (error := tuning.exception()) is not None:
+            log.info("elector %r: listening for resign requests failed: %r", self.name, error)
+
     def _say_why(self, reason: str, duty: asyncio.Task[Any], fence: int) -> None:
         if not reason:
             return
@@ -483,6 +556,10 @@ class Elector:
         bell_first = self._member is not None
         bell = self._bell
         try:
+            if not bell_first and not self._watchers:
+                # Our own release is news to nobody here: stop listening first, so
+                # that the release is not told to this session alone.
+                await self._tune_news(leading=False)
             if rang and bell_first and bell is not None:
                 await bell.unring()
             # On a member's shared session no wait may be long (see member_session).

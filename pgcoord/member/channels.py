@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 
 from .._drivers.dedicated import HolderConnection
+from .._drivers.listen import close_ears, listen
 from .._drivers.protocol import Unlisten
 
 log = logging.getLogger("pgcoord.member")
@@ -53,7 +54,7 @@ class Channels:
     async def listen_first(self, main: HolderConnection, channel: str,
                            callback: Callable[[str], None]) -> None:
         """LISTEN on a session before it is in use (a join's membership news)."""
-        self._unlistens[channel] = await main.listen(channel, callback)
+        self._unlistens[channel] = await listen(main, channel, callback)
 
     def new_session(self) -> None:
         """A session was just set up: it listens to what ``listen_first`` did."""
@@ -75,7 +76,7 @@ class Channels:
             channel = todo.pop()
             callback = (on_base if channel == base
                         else functools.partial(self._call, channel))
-            self._unlistens[channel] = await main.listen(channel, callback)
+            self._unlistens[channel] = await listen(main, channel, callback)
             self.listening.add(channel)
             return channel
         if done:
@@ -85,6 +86,7 @@ class Channels:
             if unlisten is not None:
                 await unlisten()
                 await main.execute(f'UNLISTEN "{channel}"')
+                await close_ears(main, channel)
             return channel
         return None
 

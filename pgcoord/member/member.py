@@ -462,8 +462,11 @@ class Member:
         except (ValueError, KeyError, TypeError):
             return
         if news.get("ev") == "left":
-            # A departure needs no query: apply it now, for the watcher too.
-            self._forget(member_id, str(news.get("reason") or "crashed"))
+            # A departure needs no query: apply it now, for the watcher too. Deaths
+            # reaped together come in one NOTIFY ("ids": [[id, reason], ...]).
+            together = news.get("ids") or [[member_id, news.get("reason")]]
+            for gone_id, reason in together:
+                self._forget(int(gone_id), str(reason or "crashed"))
         else:
             self._news.set()
 

@@ -486,6 +486,8 @@ async def test_statements_that_change_no_schedule_neither_bump_the_counter_nor_n
     await s.add(name, "0 0 1 1 *", handler=unique("h"))
     await s.pause(name)
     with psycopg.connect(dsn, autocommit=True) as listener:
+        # Registered as a listener (0010): news nobody listens to is not told at all.
+        listener.execute("select pgcoord.ears_open('pgcoord_schedules')")
         listener.execute("listen pgcoord_schedules")
         before = _epoch(dsn)
         sql(dsn, "select pgcoord.schedule_declare('[]')")
