@@ -331,7 +331,15 @@ SELECT
     'advisory'::text                                   AS kind,
     -- A recorded name (pgcoord.lock_names), a running job's lock, or a member's
     -- alive lock (member_alive_ns(), id): 'pgcoord.member:<group>/<name>'.
-    coalesce(n.name, jk.name, 'pgcoord.member:' || mv."group" || '/' || mv.name) AS name,
+    -- Also the register of listeners that 0010 keeps (key space 1885823854, two-int
+    -- form: a listener's shared lock per channel code, a teller's gate at code + 100).
+    coalesce(n.name, jk.name, 'pgcoord.member:' || mv."group" || '/' || mv.name,
+             CASE WHEN l.objsubid = 2 AND l.classid = 1885823854::oid THEN
+                 CASE WHEN l.objid >= 100 THEN 'pgcoord.news-gate:' ELSE 'pgcoord.listener:' END
+                 || CASE pg_catalog.mod(l.objid::bigint, 100) WHEN 1 THEN 'pgcoord_leases' WHEN 2 THEN 'pgcoord_members'
+                         WHEN 3 THEN 'pgcoord_schedules' WHEN 4 THEN 'pgcoord_partitions'
+                         ELSE l.objid::text END
+             END) AS name,
     l.key                                              AS key,
     coalesce(nullif(a.application_name, ''), 'pid ' || l.pid::text) AS holder,
     l.pid                                              AS pid,

@@ -283,7 +283,11 @@ async def test_members_dying_together_are_told_in_one_notify(db: str) -> None:
                 proc.send_signal(signal.SIGKILL)
                 await until(lambda: len(left) == 3, 5)
                 assert {c.reason for c in left} == {"crashed"}
-                assert spy.take() == {"pgcoord_members": 1}
+                # The three backends of the killed process end one by one, so the
+                # watcher may find them in two reaps (seen once in a loaded run); one
+                # NOTIFY per death, as before 0010, would be three.
+                told = spy.take()
+                assert set(told) == {"pgcoord_members"} and told["pgcoord_members"] < 3, told
             collecting.cancel()
     finally:
         if proc.poll() is None:
