@@ -221,13 +221,16 @@ class Elector:
         if self._member is not None or conn is None or self.polling:
             return
         want = leading or bool(self._watchers)
-        if want and self._heard is None:
-            self._heard = await listen(conn, LEASE_CHANNEL, self._on_lease_news)
-        elif not want and self._heard is not None:
-            heard, self._heard = self._heard, None
-            await heard()
-            await conn.execute(f'UNLISTEN "{LEASE_CHANNEL}"')
-            await close_ears(conn, LEASE_CHANNEL)
+        # Under the session's statement lock, as _call: a resign tunes while a
+        # renewal may still be on the wire.
+        async with self._io:
+            if want and self._heard is None:
+                self._heard = await listen(conn, LEASE_CHANNEL, self._on_lease_news)
+            elif not want and self._heard is not None:
+                heard, self._heard = self._heard, None
+                await heard()
+                await conn.execute(f'UNLISTEN "{LEASE_CHANNEL}"')
+                await close_ears(conn, LEASE_CHANNEL)
 
     async def _listen_on_member(self) -> None:
         member = self._member

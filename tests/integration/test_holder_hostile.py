@@ -304,6 +304,10 @@ async def test_a_cancelled_try_whose_cleanup_hangs_ends_within_its_bound(
     holder = pgcoord.LockHolder(proxy.dsn(dsn), driver="asyncpg", keepalive=30)
     await holder.open()
     pid = holder.backend_pid
+    # Once before the freeze, so that the name is recorded (a statement of its own
+    # before a key's first try in a process) and the freeze cuts the try itself.
+    async with holder.lock("hostile:cancelled"):
+        pass
     proxy.freeze()
 
     async def take() -> None:

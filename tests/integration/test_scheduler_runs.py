@@ -158,7 +158,7 @@ async def test_a_record_that_fails_once_is_tried_again_while_the_claim_is_held(
         create or replace function pgcoord_test_fail_record() returns trigger language plpgsql as $$
         begin
             if new.job = '{job}' and new.state <> 'running' and old.state = 'running'
-               and nextval('{seq}') = 1 then
+               and nextval('public.{seq}') = 1 then
                 raise exception 'record refused once (test)';
             end if;
             return new;
