@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .._core import readonly
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
@@ -277,10 +278,11 @@ class Scheduler:
                 except Exception as exc:  # the database went away: back off, never end run()
                     failures += 1
                     pause = plan.backoff(failures)
-                    log.warning("scheduler tick failed (%d in a row), trying again in %.2f s: %r",
-                                failures, pause, exc)
+                    readonly.retrying(log, exc, "scheduler tick failed (%d in a row), trying again "
+                                      "in %.2f s: %r", failures, pause, exc)
                 else:
                     failures = 0
+                    readonly.writable()
                     db_now, read_at = self._ticked
                     pause = max(0.0, min(wake - db_now - (time.monotonic() - read_at), self._max_sleep))
                 await self._sleep(pause)
