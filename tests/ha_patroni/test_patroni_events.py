@@ -287,7 +287,8 @@ def test_a_read_only_primary_is_said_once_not_once_a_retry(run: Run) -> None:
         logs = _logs(run, outcome, label)
         notices = [m for _, _, m in logs if m.startswith(NO_WRITES)]
         again = [m for _, _, m in logs if m.startswith(WRITES_AGAIN)]
-        noisy = [m for _, _, m in logs if not m.startswith(NO_WRITES) and any(s in m for s in READ_ONLY_SIGNS)]
+        noisy = [m for _, _, m in logs
+                 if not m.startswith(NO_WRITES) and any(s in m for s in READ_ONLY_SIGNS)]
         assert len(notices) == 1, f"{label}: {notices}"
         assert len(again) == 1, f"{label}: {logs}"
         assert noisy == [], f"{label}: read-only retries logged one by one: {noisy[:5]}"
