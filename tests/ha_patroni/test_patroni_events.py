@@ -263,12 +263,13 @@ def test_partitions_are_owned_again(run: Run, event: str) -> None:
 
 
 def _logs(run: Run, outcome: Outcome, label: str) -> list[tuple[float, str, str]]:
-    """(time, level, message) of a replica's pgcoord log lines in the event's window."""
+    """(time, level, message) of a replica's pgcoord log lines in the event's window
+    (not its drivers': psycopg_pool logs each failed connect of its own)."""
     found = []
     for line in run.fleet.lines[label]:
         if line.startswith("LOG "):
-            _, at, _name, level, message = line.split(" ", 4)
-            if outcome.started <= float(at) <= outcome.ended:
+            _, at, name, level, message = line.split(" ", 4)
+            if name.startswith("pgcoord") and outcome.started <= float(at) <= outcome.ended:
                 found.append((float(at), level, message))
     return found
 
