@@ -3,7 +3,7 @@
     python bench/ha.py [--runs 5] [--ttl 2] [--patroni-runs 1]
 
 Part two (``--patroni-runs``, 0 to leave it out) does the same on a real Patroni
-cluster (tests/ha_patroni/patroni.py: etcd and two nodes, synchronous_mode, ttl 10,
+cluster (tests/ha_patroni/patroni.py: etcd and two nodes, synchronous_mode, ttl 20,
 loop_wait 2, primary_start_timeout 0), for each event Patroni meets: a switchover,
 a SIGKILL of the primary's postmaster, etcd stopped for 20 s, and the same with
 failsafe_mode. From the event to: a primary writable, a leader again (plain elector),
@@ -88,7 +88,7 @@ def patroni_runs(runs: int, ttl: float) -> dict[str, list[dict[str, float]]]:
     from tests.integration.ha import Fleet
 
     found: dict[str, list[dict[str, float]]] = {e: [] for e in PATRONI_EVENTS}
-    with PatroniCluster(ttl=10, loop_wait=2, retry_timeout=4) as cluster:
+    with PatroniCluster(ttl=20, loop_wait=2, retry_timeout=4) as cluster:
         pgcoord.migrations.upgrade(cluster.url())
         fleet = Fleet(cluster, "postgres", ttl=ttl)
         try:
@@ -177,7 +177,7 @@ def main() -> None:
             print(f"{title:<46} {median * 1000:>6.0f} ms {max(values) * 1000:>5.0f} ms "
                   f"{median / base:>12.1f}x")
     if patroni:
-        print(f"\nPatroni (ttl 10, loop_wait 2, synchronous_mode), pgcoord ttl {args.ttl:g} s; "
+        print(f"\nPatroni (ttl 20, loop_wait 2, synchronous_mode), pgcoord ttl {args.ttl:g} s; "
               f"median of {args.patroni_runs}, from the event to:")
         print(f"{'event':<34}" + "".join(f"{title:>18}" for title, _ in PATRONI_COLUMNS))
         if runs:

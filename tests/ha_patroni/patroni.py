@@ -129,9 +129,14 @@ class Node:
 
 
 class PatroniCluster:
-    """etcd and two Patroni nodes: a primary and a synchronous standby."""
+    """etcd and two Patroni nodes: a primary and a synchronous standby.
 
-    def __init__(self, *, ttl: int = 10, loop_wait: int = 2, retry_timeout: int = 4,
+    ``ttl`` 20 is Patroni's least (it raises a smaller one to 20, config.py): a
+    primary lost without a word (its host gone) is replaced within ttl + loop_wait.
+    ``primary_start_timeout: 0``: a crashed postmaster is failed over at once, not
+    restarted in place for 300 s."""
+
+    def __init__(self, *, ttl: int = 20, loop_wait: int = 2, retry_timeout: int = 4,
                  synchronous: bool = True, failsafe: bool = False,
                  maximum_lag_on_failover: int = 1048576) -> None:
         self.venv = patroni_venv()
@@ -417,6 +422,19 @@ class PatroniCluster:
         with urllib.request.urlopen(req, timeout=5) as resp:
             resp.read()
         self.dcs.update(settings)
+        # Each node reads the DCS once a loop: until every running one shows it.
+        deadline = time.monotonic() + 30
+        for node in self.nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            while True:
+                with contextlib.suppress(OSError, ValueError):
+                    config = self.rest(node, "/config")
+                    if all(config.get(k) == v for k, v in settings.items()):
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node.name} does not show {settings} after 30s")
+                time.sleep(0.1)
 
     def stop_node(self, node: Node) -> None:
         """Patroni on ``node`` and its postgres stopped (a standby gone)."""

@@ -1,6 +1,6 @@
 """Every feature of pgcoord across what Patroni does to a primary, with real processes.
 
-One Patroni cluster (etcd, a primary and a synchronous standby; ttl 10, loop_wait 2,
+One Patroni cluster (etcd, a primary and a synchronous standby; ttl 20, loop_wait 2,
 retry_timeout 4, primary_start_timeout 0) and three replica processes
 (tests/integration/ha_replica.py: asyncpg, psycopg, SQLAlchemy), each with an elector
 of its own and one on a Member, two LockHolder bodies, a Lease and a member lease
@@ -108,7 +108,7 @@ def _event(cluster: PatroniCluster, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def run() -> Iterator[Run]:
-    with PatroniCluster(ttl=10, loop_wait=2, retry_timeout=4) as cluster:
+    with PatroniCluster(ttl=20, loop_wait=2, retry_timeout=4) as cluster:
         pgcoord.migrations.upgrade(cluster.url())
         fleet = Fleet(cluster, "postgres", ttl=TTL, member_features=True)
         outcomes: dict[str, Outcome] = {}
