@@ -36,6 +36,7 @@ def test_25006_maps_to_an_error_naming_the_cause_and_the_ha_demotion() -> None:
 def test_the_notice_is_said_once_until_writes_are_accepted_again(caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("pgcoord.test")
     no_host = asyncpg.exceptions.TargetServerAttributeNotMatched("none match")
+    readonly.writable()  # the notice is per process: an earlier test may have left it said
     with caplog.at_level(logging.DEBUG, logger="pgcoord"):
         for _ in range(50):
             readonly.retrying(logger, no_host, "elector %r: %r; campaigning again", "e", no_host)
