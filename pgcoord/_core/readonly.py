@@ -24,8 +24,9 @@ _since: float | None = None  # monotonic time the state was first met, while it 
 
 
 def retrying(logger: logging.Logger, exc: BaseException, message: str, *args: Any) -> None:
-    """Log a background loop's retry after ``exc``: as before (a warning) unless
-    the database takes no writes; then once per process until it does again."""
+    """Log a background failure after ``exc`` (a loop's retry, a release given up
+    to expiry): as before (a warning) unless the database takes no writes; then the
+    notice, once per process until it does again, and this at DEBUG."""
     global _since
     if not errmap.read_only(exc):
         logger.warning(message, *args)
