@@ -22,6 +22,8 @@ from pgcoord.cli.doctor import Check, run_checks
 from .patroni import PatroniCluster, _free_low_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# A cluster to start (about 20 s) and each verdict's configuration to earn.
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,9 @@ EVENTS = ("switchover", "sigkill", "dcs-loss", "dcs-loss-failsafe")
 # Whether the event ends the primary's sessions (so every LockHolder body must lose).
 CUTS_SESSIONS = {"switchover": True, "sigkill": True, "dcs-loss": True, "dcs-loss-failsafe": False}
 PARTS = 4
+# The first test's setup runs the four events (about two minutes; the suite's 120 s
+# limit is for one test): a bound of its own, generous.
+pytestmark = pytest.mark.timeout(420)
 
 
 @dataclass
