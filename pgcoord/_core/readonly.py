@@ -8,11 +8,26 @@ state lasts. That is expected and needs one line in the logs, not one per retry 
 loop: the first loop to meet it logs a warning, the others log their retries at DEBUG,
 and the first success after it logs that writes are accepted again, with how long
 the state lasted. The notice is per process: an operator reads one process's log.
+
+Writes can be refused to some of a process's connections and not to others: an
+``ALTER DATABASE ... SET default_transaction_read_only = on`` reaches a pool's new
+connections, while pgcoord's own sessions set it off for themselves. Then one loop
+(an elector renewing on its session) keeps writing while another (a scheduler on
+the pool) keeps failing, and "writes again" on the first loop's success would be
+followed by "no writes" on the second loop's next retry: a pair of warnings a
+second. So a loop that retries says who it is (``key``), and writes are said to be
+accepted again only once no loop that met the state is still meeting it: each has
+written since, or has not retried for ``FORGET`` seconds (it stopped, or lost what
+it retried for). A failure with no key (a one-shot: a release given up, a
+scheduler chore) starts the notice; for ``ONCE_GRACE`` seconds after it, only a
+loop that met the state itself can say writes are accepted again (another loop's
+success, on a session of its own, proves nothing about the connection that failed).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -21,18 +36,37 @@ from . import errmap
 log = logging.getLogger("pgcoord")
 
 _since: float | None = None  # monotonic time the state was first met, while it lasts
+_failing: dict[str, float] = {}  # key of a loop meeting the state -> monotonic time it last did
+_once_at = -1e9  # monotonic time of the last failure with no key
+
+# A loop that met the state and neither retried nor wrote for this long is not
+# waited for (every loop's backoff retries well within it).
+FORGET = 60.0
+ONCE_GRACE = 10.0
+# The loops of several event loops (a sync twin's portal thread beside the
+# application's own) share the notice.
+_lock = threading.Lock()
 
 
-def retrying(logger: logging.Logger, exc: BaseException, message: str, *args: Any) -> None:
+def retrying(logger: logging.Logger, exc: BaseException, message: str, *args: Any,
+             key: str | None = None) -> None:
     """Log a background failure after ``exc`` (a loop's retry, a release given up
     to expiry): as before (a warning) unless the database takes no writes; then the
-    notice, once per process until it does again, and this at DEBUG."""
-    global _since
+    notice, once per process until it does again, and this at DEBUG. ``key`` names
+    the loop, which then says ``writable(key)`` when it writes again."""
+    global _since, _once_at
     if not errmap.read_only(exc):
         logger.warning(message, *args)
         return
-    if _since is None:
-        _since = time.monotonic()
+    with _lock:
+        if key is not None:
+            _failing[key] = time.monotonic()
+        else:
+            _once_at = time.monotonic()
+        first = _since is None
+        if first:
+            _since = time.monotonic()
+    if first:
         log.warning("the database takes no writes now (%r): a primary demoted to read-only (an HA "
                     "manager such as Patroni, which demotes the primary when it loses its DCS), a "
                     "standby, or default_transaction_read_only. pgcoord backs off and tries again "
@@ -40,9 +74,25 @@ def retrying(logger: logging.Logger, exc: BaseException, message: str, *args: An
     logger.debug(message, *args)
 
 
-def writable() -> None:
-    """A loop wrote: if the database had taken no writes, say that it does again."""
+def forget(key: str) -> None:
+    """The loop ``key`` retries no more (a holding lost or released): not waited for."""
+    with _lock:
+        _failing.pop(key, None)
+
+
+def writable(key: str | None = None) -> None:
+    """A loop (``key``, as it gave it to ``retrying``) wrote: if the database had
+    taken no writes, and no other loop still meets that, say that it does again."""
     global _since
-    if _since is not None:
-        took, _since = time.monotonic() - _since, None
-        log.warning("the database takes writes again, after %.1f s without", took)
+    with _lock:
+        # No key: the caller says writes are accepted, whoever failed before.
+        met = key is None or _failing.pop(key, None) is not None
+        if _since is None:
+            return
+        now = time.monotonic()
+        for stale in [k for k, at in _failing.items() if now - at > FORGET]:
+            del _failing[stale]
+        if _failing or (not met and now - _once_at < ONCE_GRACE):
+            return
+        took, _since = now - _since, None
+    log.warning("the database takes writes again, after %.1f s without", took)

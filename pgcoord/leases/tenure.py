@@ -97,6 +97,8 @@ class Tenure:
         self.lost: str | None = None
         self.lost_event = asyncio.Event()
         self._listeners: list[Callable[[str], None]] = []
+        # Its renewals' key in the read-only notice (pgcoord/_core/readonly.py).
+        self.notice_key = f"tenure:{id(self)}"
 
     @property
     def valid(self) -> bool:
@@ -128,6 +130,7 @@ class Tenure:
             return False
         self.lost = reason
         self.trust.close()
+        readonly.forget(self.notice_key)  # renewed no more: not waited for
         self.lost_event.set()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
@@ -175,6 +178,8 @@ async def keep_renewed(tenure: Tenure, how: Renewal,
         # believing now rather than when the window closes, unannounced.
         log.exception("tenure %r: the renewal loop failed", tenure.name)
         tenure.lose(f"the renewal loop failed: {exc!r}")
+    finally:
+        readonly.forget(tenure.notice_key)  # released or lost: renewed no more
 
 
 async def renew_once(tenure: Tenure, how: Renewal, *,
@@ -211,13 +216,14 @@ async def renew_once(tenure: Tenure, how: Renewal, *,
             tenure.lose("the lease expired or was taken over")
             return math.inf, None
         tenure.renewed(sent)
-        readonly.writable()
+        readonly.writable(tenure.notice_key)
         return sent + every, result
     if fatal is not None and fatal(error):
         tenure.lose(f"renewal failed: {error}")
         return math.inf, None
     # Not a loss while the trust window is open: try again soon.
-    readonly.retrying(log, error, "renewing %r failed, retrying: %r", tenure.name, error)
+    readonly.retrying(log, error, "renewing %r failed, retrying: %r", tenure.name, error,
+                       key=tenure.notice_key)
     left = tenure.trust.left()
     if left <= 0.0:
         tenure.lose(f"renewal failed until the trust window closed: {error!r}")

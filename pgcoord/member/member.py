@@ -320,7 +320,7 @@ class Member:
             try:
                 if self._main is None:
                     await self._join()
-                    readonly.writable()
+                    readonly.writable(f"member:{id(self)}")
                     backoff.reset()
                 parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
                 if not self.polling:
@@ -346,7 +346,7 @@ class Member:
                 if isinstance(exc, SchemaMissing):
                     log.error(message, self.name, exc, delay)
                 else:
-                    readonly.retrying(log, exc, message, self.name, exc, delay)
+                    readonly.retrying(log, exc, message, self.name, exc, delay, key=f"member:{id(self)}")
             own_id = self.id
             if own_id is not None:
                 self._call_hooks(self._lost_hooks, own_id)
