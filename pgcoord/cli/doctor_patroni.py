@@ -22,11 +22,14 @@ cluster configured to earn each (tests/ha_patroni/test_patroni_doctor.py):
 
 from __future__ import annotations
 
+import base64
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from .doctor import FAIL, PASS, WARN, Check
 
@@ -46,26 +49,56 @@ class PatroniView:
         return str(self.cluster.get("scope", "?"))
 
 
+def shown(url: str) -> str:
+    """``url`` without the password of its user (http://user:secret@host → http://user@host):
+    what doctor prints."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}@{host}"))
+
+
 def fetch(url: str, timeout: float = 3.0) -> PatroniView:
-    """``/config`` and ``/cluster`` of the Patroni node at ``url`` (``http://host:8008``).
-    ``OSError`` or ``ValueError`` when it cannot be read."""
-    base = url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise ValueError(f"{url!r} is not an http(s) URL (Patroni's REST API: http://host:8008)")
+    """``/config`` and ``/cluster`` of the Patroni node at ``url`` (``http://host:8008``,
+    ``https://user:password@host:8008`` for a REST API behind basic auth), each read
+    within ``timeout`` seconds in all (a socket timeout bounds one read only: a node
+    that answers a byte at a time would hold doctor for minutes). ``OSError`` or
+    ``ValueError`` when it cannot be read."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{shown(url)!r} is not an http(s) URL (Patroni's REST API: http://host:8008)")
+    parts = urlsplit(url.rstrip("/"))
+    headers = {"Accept": "application/json"}
+    if parts.username is not None:
+        # urllib takes user:password@ for a part of the host name: sent as basic auth.
+        pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
+    base = urlunsplit(parts)
 
     def get(path: str) -> dict[str, Any]:
-        with urllib.request.urlopen(base + path, timeout=timeout) as resp:
-            body = json.load(resp)
+        deadline = time.monotonic() + timeout
+        request = urllib.request.Request(base + path, headers=headers)
+        chunks = []
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            while chunk := resp.read1(65536):
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{base + path} did not answer within {timeout:g} s")
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError:
+            raise ValueError(f"{base + path} did not answer JSON (is it Patroni's REST API?)") from None
         if not isinstance(body, dict):
             raise ValueError(f"{base + path} did not answer a JSON object")
         return body
 
-    return PatroniView(base, {**DEFAULTS, **get("/config")}, get("/cluster"))
+    return PatroniView(shown(url.rstrip("/")), {**DEFAULTS, **get("/config")}, get("/cluster"))
 
 
 def unreachable(url: str, exc: BaseException) -> Check:
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return Check("patroni", FAIL, f"cannot read Patroni's REST API at {url}: {reason}",
+    return Check("patroni", FAIL, f"cannot read Patroni's REST API at {shown(url)}: {reason}",
                  "check --patroni (Patroni's REST API, e.g. http://host:8008) and that Patroni runs")
 
 
@@ -153,6 +186,11 @@ def patroni_checks(urls: list[str], ttls: tuple[float, float] | None) -> list[Ch
         if view.scope in seen:
             continue
         seen.add(view.scope)
-        checks += [check_synchronous(view), check_ttl(view, ttls), check_members(view),
-                   check_failsafe(view)]
+        try:
+            checks += [check_synchronous(view), check_ttl(view, ttls), check_members(view),
+                       check_failsafe(view)]
+        except (TypeError, ValueError) as exc:  # a setting of a type Patroni never gives
+            checks.append(Check("patroni", FAIL, f"{view.url} answered a configuration doctor cannot "
+                                                 f"read: {exc!r}",
+                                "check that --patroni names Patroni's REST API (GET /config, /cluster)"))
     return checks
