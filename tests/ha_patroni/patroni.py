@@ -14,6 +14,9 @@ port back, and an outgoing connection's ephemeral port in TIME_WAIT could hold i
 ``stop()`` removes everything on every path (an ``atexit`` hook too): Patroni is
 asked to stop, then its process group is killed, then any postmaster left (Patroni
 starts each in a session of its own) is killed by its ``postmaster.pid``, then etcd.
+A process that is killed outright (a CI job's timeout: SIGTERM, SIGKILL) runs no
+``atexit`` hook, and everything here runs in sessions of its own: a reaper process,
+started first, does the same when its pipe from us closes without a word (``REAPER``).
 
 The events: ``switchover()`` (``patronictl switchover --force``), ``kill_primary()``
 (SIGKILL to the primary's postmaster; with ``primary_start_timeout: 0`` Patroni fails
@@ -34,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -99,6 +103,39 @@ def _free_low_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+# The reaper: reads "pgid N" (a process group to kill), "forget N" and "datadir PATH"
+# (whose postmaster.pid names a postmaster to kill) from its stdin; at "done" it exits;
+# at end of input without it (the test process died), it kills them all, then removes
+# the cluster's directory (argv[1]).
+REAPER = """
+import os, shutil, signal, sys
+groups, datadirs = set(), []
+for line in sys.stdin:
+    what, _, arg = line.strip().partition(" ")
+    if what == "done":
+        sys.exit(0)
+    if what == "pgid":
+        groups.add(int(arg))
+    elif what == "forget":
+        groups.discard(int(arg))
+    elif what == "datadir":
+        datadirs.append(arg)
+postmasters = []
+for d in datadirs:
+    try:
+        postmasters.append(int(open(os.path.join(d, "postmaster.pid")).readline()))
+    except (OSError, ValueError):
+        pass
+for pid in [*groups, *postmasters]:  # Patroni first: it would start postgres again
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
 def _server_user() -> pwd.struct_passwd | None:
     return pwd.getpwnam("postgres") if os.geteuid() == 0 else None
 
@@ -155,6 +192,18 @@ class PatroniCluster:
         self.nodes = [Node(self, "n0"), Node(self, "n1")]
         self._stopped = False
         atexit.register(self.stop)
+        self._reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(self.root)],
+                                        stdin=subprocess.PIPE, text=True, start_new_session=True)
+        for node in self.nodes:
+            self._reap(f"datadir {node.datadir}")
+
+    def _reap(self, line: str) -> None:
+        """Tell the reaper (see REAPER)."""
+        stdin = self._reaper.stdin
+        if stdin is not None and not stdin.closed:
+            with contextlib.suppress(OSError):
+                stdin.write(line + "\n")
+                stdin.flush()
 
     # -- the multi-host DSNs of tests/integration/ha.py's StandbyPair ---------------------
 
@@ -249,6 +298,7 @@ class PatroniCluster:
                 stdin=subprocess.DEVNULL, cwd=node.dir, start_new_session=True, **self._as_user())
         finally:
             log.close()
+        self._reap(f"pgid {node.proc.pid}")
 
     def start_etcd(self) -> None:
         data = self.root / "etcd"
@@ -264,6 +314,7 @@ class PatroniCluster:
                 start_new_session=True, **self._as_user())
         finally:
             log.close()
+        self._reap(f"pgid {self.etcd.pid}")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.etcd.poll() is not None:
@@ -280,6 +331,8 @@ class PatroniCluster:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if proc is not None:
+            self._reap(f"forget {proc.pid}")
 
     def stop(self) -> None:
         if self._stopped:
@@ -306,6 +359,10 @@ class PatroniCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.stop_etcd()
+        self._reap("done")
+        if self._reaper.stdin is not None:
+            self._reaper.stdin.close()
+        self._reaper.wait()
         if not os.environ.get("PGCOORD_PATRONI_KEEP"):  # to read the logs afterwards
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -441,6 +498,8 @@ class PatroniCluster:
         if node.proc is not None and node.proc.poll() is None:
             node.proc.terminate()
             node.proc.wait(30)
+        if node.proc is not None:
+            self._reap(f"forget {node.proc.pid}")
         pid = node.postmaster_pid()
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
