@@ -19,9 +19,12 @@ second. So a loop that retries says who it is (``key``), and writes are said to 
 accepted again only once no loop that met the state is still meeting it: each has
 written since, or has not retried for ``FORGET`` seconds (it stopped, or lost what
 it retried for). A failure with no key (a one-shot: a release given up, a
-scheduler chore) starts the notice; for ``ONCE_GRACE`` seconds after it, only a
-loop that met the state itself can say writes are accepted again (another loop's
-success, on a session of its own, proves nothing about the connection that failed).
+scheduler chore; an elector's campaign, which on a follower succeeds without ever
+returning; a holding's renewal, which ends on many paths without a last success: the
+key of either would never be cleared) starts the notice; for
+``ONCE_GRACE`` seconds after it, only a loop that met the state itself can say
+writes are accepted again (another loop's success, on a session of its own, proves
+nothing about the connection that failed).
 """
 
 from __future__ import annotations

@@ -526,7 +526,7 @@ class Elector:
                         await self._drop_session()
                         await self._connect()
                     fence, rang, sent = await self._campaign()
-                    readonly.writable(f"elector:{id(self)}")
+                    readonly.writable(f"elector:{id(self)}")  # its failures go unkeyed: see readonly
                     backoff.reset()
                     await self._lead(lead, fence, rang, sent)
                     # After a term (a resign on request above all) let another
@@ -537,7 +537,7 @@ class Elector:
                 except Exception as exc:
                     delay = backoff.failed()
                     readonly.retrying(log, exc, "elector %r: %r; campaigning again in %.2fs",
-                                      self.name, exc, delay, key=f"elector:{id(self)}")
+                                      self.name, exc, delay)
                     await self._drop_session()
                     await backoff.sleep()
         except asyncio.CancelledError:
@@ -548,7 +548,6 @@ class Elector:
             with contextlib.suppress(CleanupTimeout):
                 await finish_despite_cancel(self._drop_session())
             self._unhook()
-            readonly.forget(f"elector:{id(self)}")  # campaigns no more: not waited for
             self._run_task = None
             self._stopped.set()
             for queue in self._watchers:

@@ -97,8 +97,6 @@ class Tenure:
         self.lost: str | None = None
         self.lost_event = asyncio.Event()
         self._listeners: list[Callable[[str], None]] = []
-        # Its renewals' key in the read-only notice (pgcoord/_core/readonly.py).
-        self.notice_key = f"tenure:{id(self)}"
 
     @property
     def valid(self) -> bool:
@@ -130,7 +128,6 @@ class Tenure:
             return False
         self.lost = reason
         self.trust.close()
-        readonly.forget(self.notice_key)  # renewed no more: not waited for
         self.lost_event.set()
         listeners, self._listeners = self._listeners, []
         for listener in listeners:
@@ -178,8 +175,6 @@ async def keep_renewed(tenure: Tenure, how: Renewal,
         # believing now rather than when the window closes, unannounced.
         log.exception("tenure %r: the renewal loop failed", tenure.name)
         tenure.lose(f"the renewal loop failed: {exc!r}")
-    finally:
-        readonly.forget(tenure.notice_key)  # released or lost: renewed no more
 
 
 async def renew_once(tenure: Tenure, how: Renewal, *,
@@ -216,14 +211,15 @@ async def renew_once(tenure: Tenure, how: Renewal, *,
             tenure.lose("the lease expired or was taken over")
             return math.inf, None
         tenure.renewed(sent)
-        readonly.writable(tenure.notice_key)
+        # Its failures go unkeyed: a holding is dropped on many paths (a part given
+        # back, a slot recorded) without a last renewal that would clear a key.
+        readonly.writable("tenure")
         return sent + every, result
     if fatal is not None and fatal(error):
         tenure.lose(f"renewal failed: {error}")
         return math.inf, None
     # Not a loss while the trust window is open: try again soon.
-    readonly.retrying(log, error, "renewing %r failed, retrying: %r", tenure.name, error,
-                       key=tenure.notice_key)
+    readonly.retrying(log, error, "renewing %r failed, retrying: %r", tenure.name, error)
     left = tenure.trust.left()
     if left <= 0.0:
         tenure.lose(f"renewal failed until the trust window closed: {error!r}")

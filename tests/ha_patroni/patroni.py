@@ -508,6 +508,18 @@ class PatroniCluster:
     def start_node(self, node: Node) -> None:
         self._spawn(node)
 
+    def kill_primary_agent(self, down: float) -> Node:
+        """SIGKILL to the primary's Patroni (not its postgres), started again ``down``
+        seconds later, as a service manager restarts it; the primary's node."""
+        node = self.wait_writable()
+        assert node.proc is not None
+        node.proc.kill()
+        node.proc.wait()
+        self._reap(f"forget {node.proc.pid}")
+        time.sleep(down)
+        self._spawn(node)
+        return node
+
     # -- diagnostics ---------------------------------------------------------------------
 
     @staticmethod

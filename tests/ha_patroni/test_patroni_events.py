@@ -16,7 +16,9 @@ fleet (a fresh cluster per event would cost 15 s each and prove nothing more):
 3. etcd stopped for 20 s: Patroni demotes the primary to read-only, and promotes a
    node again once etcd is back;
 4. the same with ``failsafe_mode: true`` (set at run time through PATCH /config):
-   the primary stays writable, nothing is lost.
+   the primary stays writable, nothing is lost;
+5. SIGKILL of the primary's Patroni agent (not its postgres), started again 5 s later
+   as a service manager would: the primary goes on, no session is cut.
 
 After each, it waits until every feature is back, and the tests check, per event:
 nothing ended ``run()``; every LockHolder body whose session died got ``LockLost``;
@@ -42,9 +44,10 @@ from .patroni import PatroniCluster
 TTL = 4.0
 OUTAGE = 20.0
 TERMINAL = {"succeeded", "failed", "abandoned", "missed", "skipped"}
-EVENTS = ("switchover", "sigkill", "dcs-loss", "dcs-loss-failsafe")
+EVENTS = ("switchover", "sigkill", "dcs-loss", "dcs-loss-failsafe", "agent-kill")
 # Whether the event ends the primary's sessions (so every LockHolder body must lose).
-CUTS_SESSIONS = {"switchover": True, "sigkill": True, "dcs-loss": True, "dcs-loss-failsafe": False}
+CUTS_SESSIONS = {"switchover": True, "sigkill": True, "dcs-loss": True, "dcs-loss-failsafe": False,
+                 "agent-kill": False}
 PARTS = 4
 # The first test's setup runs the four events (about two minutes; the suite's 120 s
 # limit is for one test): a bound of its own, generous.
@@ -105,6 +108,8 @@ def _event(cluster: PatroniCluster, name: str) -> None:
         cluster.switchover()
     elif name == "sigkill":
         cluster.kill_primary()
+    elif name == "agent-kill":
+        cluster.kill_primary_agent(down=5)
     else:
         cluster.etcd_outage(OUTAGE)
 
