@@ -100,3 +100,11 @@ SELECT (SELECT rolsuper FROM pg_catalog.pg_roles, r WHERE rolname = r.role),
                 AND NOT pg_catalog.has_sequence_privilege(r.role, c.oid, g.privilege)
             ELSE c.oid IS NOT NULL AND NOT pg_catalog.has_table_privilege(r.role, c.oid, g.privilege)
           END)
+
+-- name: doctor_lease_ttls
+-- The shortest and longest ttl of the leases held now (every tenure renews its row to
+-- renewed_at + ttl): what the deployment really uses, for `doctor --patroni`.
+SELECT min(extract(epoch FROM expires_at - renewed_at))::float8,
+       max(extract(epoch FROM expires_at - renewed_at))::float8
+FROM pgcoord.leases
+WHERE holder IS NOT NULL AND expires_at > pg_catalog.clock_timestamp()

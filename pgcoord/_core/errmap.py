@@ -86,10 +86,30 @@ def session_gone(exc: BaseException) -> bool:
 _SCHEMA_MISSING = ("42P01", "3F000", "42883")
 
 
+# What a multi-host DSN with target_session_attrs=read-write says when no host takes
+# writes: asyncpg raises this class; libpq (psycopg) gives no SQLSTATE, only its text.
+_NO_WRITABLE_HOST_CLASS = "TargetServerAttributeNotMatched"
+_NO_WRITABLE_HOST_MESSAGES = ("session is read-only", "server is in hot standby mode")
+
+
+def read_only(exc: BaseException) -> bool:
+    """The database takes no writes: a write refused as read-only (25006, also as
+    pgcoord's own error for it) or no host of the DSN that takes writes."""
+    for e in _chain(exc):
+        if sqlstate(e) == SQLSTATE_READ_ONLY_TRANSACTION or type(e).__name__ == _NO_WRITABLE_HOST_CLASS:
+            return True
+        if isinstance(e, PgcoordError) and str(e) == READ_ONLY_MESSAGE:
+            return True
+        if sqlstate(e) is None and any(m in str(e) for m in _NO_WRITABLE_HOST_MESSAGES):
+            return True
+    return False
+
+
 READ_ONLY_MESSAGE = (
     "the server refused a write of pgcoord's because the transaction is read-only "
     "(SQLSTATE 25006): default_transaction_read_only is on for this server, database or "
-    "role, or the transaction was opened READ ONLY, or the server is a standby. pgcoord "
+    "role, or the transaction was opened READ ONLY, or the server is a standby (as a primary "
+    "is while its HA manager has demoted it: Patroni, until its DCS is back). pgcoord "
     "writes its own rows (leases, fences, schedules): set default_transaction_read_only = "
     "off for pgcoord's role (ALTER ROLE ... SET default_transaction_read_only = off), "
     "open the transaction READ WRITE, or connect to the primary")

@@ -14,7 +14,7 @@ import asyncio
 import importlib.util
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
@@ -286,10 +286,27 @@ async def _gather(conn: DedicatedSession, source: DsnSource, *, locks: int, conn
 
 
 async def run_checks_async(dsn: str, *, locks: int = 0, connections: int = 0, role: str | None = None,
-                           clock: Callable[[], float] = time.time) -> list[Check]:
+                           clock: Callable[[], float] = time.time, patroni: Sequence[str] = (),
+                           ttl: float | None = None) -> list[Check]:
     """Every check against ``dsn``. ``locks``: the advisory locks the deployment holds at
     its peak; ``connections``: the connections it will open beyond those open now;
-    ``role``: whose privileges to check (default: the role connected)."""
+    ``role``: whose privileges to check (default: the role connected); ``patroni``:
+    Patroni REST API URLs to check too (doctor_patroni.py), against ``ttl`` (default:
+    the ttls of the leases held now)."""
+    ttls: list[tuple[float, float]] = []
+    checks = await _database_checks(dsn, locks=locks, connections=connections, role=role, clock=clock,
+                                    lease_ttls=ttls if patroni and ttl is None else None)
+    if patroni:
+        from .doctor_patroni import patroni_checks
+
+        found = (ttl, ttl) if ttl is not None else (ttls[0] if ttls else None)
+        checks += await asyncio.to_thread(patroni_checks, list(patroni), found)
+    return checks
+
+
+async def _database_checks(dsn: str, *, locks: int, connections: int, role: str | None,
+                           clock: Callable[[], float],
+                           lease_ttls: list[tuple[float, float]] | None) -> list[Check]:
     from .errors import CONNECT_TIMEOUT, describe, explain, libpq_dsn
 
     try:  # a DSN no installed driver reads is a connect failure too
@@ -303,8 +320,13 @@ async def run_checks_async(dsn: str, *, locks: int = 0, connections: int = 0, ro
     checks = [Check("connect", PASS, f"connected to {describe(dsn)}")]
     try:
         await conn.prepare()
-        return checks + await _gather(conn, source, locks=locks, connections=connections, role=role,
-                                      clock=clock)
+        checks += await _gather(conn, source, locks=locks, connections=connections, role=role,
+                                clock=clock)
+        if lease_ttls is not None and any(c.name == "schema" and c.status == PASS for c in checks):
+            low, high = await conn.fetchrow(_q("doctor_lease_ttls"))  # type: ignore[misc]
+            if low is not None:
+                lease_ttls.append((float(low), float(high)))
+        return checks
     except Exception as exc:  # a check that could not run is a failure, not a traceback
         return [*checks, Check("doctor", FAIL, f"a check could not run: {explain(exc, dsn).message}",
                                "fix that, then run doctor again")]
@@ -356,6 +378,12 @@ def add_parser(sub: Any, parents: list[Any], default_dsn: str | None) -> None:
                         help="connections the deployment will open beyond those open now")
     doctor.add_argument("--role", default=None,
                         help="check this role's privileges (default: the role connected)")
+    doctor.add_argument("--patroni", action="append", default=[], metavar="URL",
+                        help="also check the Patroni cluster whose REST API is at URL "
+                             "(http://host:8008); repeatable")
+    doctor.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                        help="pgcoord's shortest ttl, to compare with Patroni's failover time "
+                             "(default: the ttls of the leases held now)")
     doctor.set_defaults(func=cmd_doctor)
 
 
@@ -372,9 +400,12 @@ def cmd_doctor(args: Any) -> int:
         raise CliError(EXIT_USAGE, "--locks and --connections take a number >= 0")
     check_number(args.locks, "--locks", minimum=0, maximum=INT4_MAX, integer=True)
     check_number(args.connections, "--connections", minimum=0, maximum=INT4_MAX, integer=True)
+    if args.ttl is not None:
+        check_number(args.ttl, "--ttl", minimum=0.001, maximum=INT4_MAX)
     dsn = check_dsn(str(args.dsn))
     try:
-        checks = run_checks(dsn, locks=args.locks, connections=args.connections, role=args.role)
+        checks = run_checks(dsn, locks=args.locks, connections=args.connections, role=args.role,
+                            patroni=args.patroni, ttl=args.ttl)
     except Exception as exc:
         # main() would exit 1 (EXIT_ERROR), which for doctor means "a warning": a doctor
         # that could not run at all is a failure (2), still in one line.

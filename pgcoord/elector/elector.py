@@ -45,6 +45,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core import errmap as _errmap
+from .._core import readonly
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     END_OF_STREAM,
@@ -612,6 +613,7 @@ class Elector:
                         await self._drop_session()
                         await self._connect()
                     fence, rang, sent = await self._campaign()
+                    readonly.writable(f"elector:{id(self)}")  # its failures go unkeyed: see readonly
                     backoff.reset()
                     await self._lead(lead, fence, rang, sent)
                     # After a term (a resign on request above all) let another
@@ -621,7 +623,8 @@ class Elector:
                     raise
                 except Exception as exc:
                     delay = backoff.failed()
-                    log.warning("elector %r: %r; campaigning again in %.2fs", self.name, exc, delay)
+                    readonly.retrying(log, exc, "elector %r: %r; campaigning again in %.2fs",
+                                      self.name, exc, delay)
                     await self._drop_session()
                     await backoff.sleep()
         except asyncio.CancelledError:

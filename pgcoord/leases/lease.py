@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .._core import errmap as _errmap
+from .._core import readonly
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
@@ -463,8 +464,8 @@ class Lease:
         try:
             await _retried(f"releasing lease {self.name!r}", self._attempts, once)
         except Exception as exc:  # it expires on its own; never mask the caller's error
-            log.warning("releasing lease %r (fence %s) failed; it will expire on its own within "
-                        "%.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
+            readonly.retrying(log, exc, "releasing lease %r (fence %s) failed; it will expire on its "
+                              "own within %.1f s of its last renewal: %r", self.name, fence, self.ttl, exc)
 
     async def _give_up(
         self, renewer: asyncio.Task[None] | None, bell: Doorbell | None, fence: int | None,

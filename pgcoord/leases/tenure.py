@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable,
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .._core import readonly
 from .._core.aio import consume_result
 from .._core.errmap import session_gone
 from .._core.queries import query
@@ -210,12 +211,15 @@ async def renew_once(tenure: Tenure, how: Renewal, *,
             tenure.lose("the lease expired or was taken over")
             return math.inf, None
         tenure.renewed(sent)
+        # Its failures go unkeyed: a holding is dropped on many paths (a part given
+        # back, a slot recorded) without a last renewal that would clear a key.
+        readonly.writable("tenure")
         return sent + every, result
     if fatal is not None and fatal(error):
         tenure.lose(f"renewal failed: {error}")
         return math.inf, None
     # Not a loss while the trust window is open: try again soon.
-    log.warning("renewing %r failed, retrying: %r", tenure.name, error)
+    readonly.retrying(log, error, "renewing %r failed, retrying: %r", tenure.name, error)
     left = tenure.trust.left()
     if left <= 0.0:
         tenure.lose(f"renewal failed until the trust window closed: {error!r}")

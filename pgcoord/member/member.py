@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import errmap as _errmap
+from .._core import readonly
 from .._core.aio import END_OF_STREAM, Backoff, Subscription, Supervisor, finish_despite_cancel
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
@@ -314,10 +315,20 @@ class Member:
         return MemberSession(self, self.id, self._main)
 
     async def wait_joined(self) -> None:
-        """Until the member has a session (at once when it has)."""
+        """Until the member has a session (at once when it has).
+
+        A session found lost that the member's loop has not dropped yet is not one:
+        returning at once then made a caller that loops on ``session()`` (a member
+        lease's acquire) spin without yielding, so the loop never got to drop it and
+        the process froze (a Patroni switchover, tests/ha_patroni)."""
         if not self._open:
             raise RuntimeError("Member is not open: use `async with Member(...)` or open()")
-        await self._joined.wait()
+        while True:
+            await self._joined.wait()
+            if not self._lost.is_set():
+                return
+            # _run stops the lost session's tasks, then clears _joined: a short wait.
+            await asyncio.sleep(0.02)
 
     # -- the background work ----------------------------------------------------------------
 
@@ -328,6 +339,7 @@ class Member:
             try:
                 if self._main is None:
                     await self._join()
+                    readonly.writable(f"member:{id(self)}")
                     backoff.reset()
                 parts = [self._spawn(self._heartbeat_loop(), f"pgcoord-member-heartbeat:{self.name}")]
                 if not self.polling:
@@ -349,8 +361,11 @@ class Member:
                 # schema that was missing at the start; one that goes missing
                 # later (a restore, a downgrade) is logged loudly and retried.
                 delay = backoff.failed()
-                level = logging.ERROR if isinstance(exc, SchemaMissing) else logging.WARNING
-                log.log(level, "member %r: %r; joining again in %.2fs", self.name, exc, delay)
+                message = "member %r: %r; joining again in %.2fs"
+                if isinstance(exc, SchemaMissing):
+                    log.error(message, self.name, exc, delay)
+                else:
+                    readonly.retrying(log, exc, message, self.name, exc, delay, key=f"member:{id(self)}")
             own_id = self.id
             if own_id is not None:
                 self._call_hooks(self._lost_hooks, own_id)

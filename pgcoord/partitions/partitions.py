@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._core import errmap as _errmap
+from .._core import readonly
 from .._core.aio import RECANCEL_EVERY, Backoff, finish_despite_cancel
 from .._core.queries import query
 from ..errors import PgcoordError, SchemaMissing, UnsupportedConnection
@@ -228,7 +229,8 @@ class Partitions:
                         continue
                     backoff.failed()
                     delay = backoff.jittered()
-                    log.warning("partitions %r: %r; trying again in %.2fs", self.name, exc, delay)
+                    readonly.retrying(log, exc, "partitions %r: %r; trying again in %.2fs", self.name, exc,
+                                      delay)
                     await self._leave_quietly(session)
                     session = None
                     await asyncio.sleep(delay)
@@ -332,7 +334,8 @@ class Partitions:
                 # what we own: the trust windows still bound how long we believe it.
                 backoff.failed()
                 delay = backoff.jittered()
-                log.warning("partitions %r: %r; looking again in %.2fs", self.name, exc, delay)
+                readonly.retrying(log, exc, "partitions %r: %r; looking again in %.2fs", self.name, exc,
+                                  delay)
                 await self._wait(time.monotonic() + delay)
                 continue
             await self._wait(self._next_deadline())

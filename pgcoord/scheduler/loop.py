@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .._core import readonly
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
@@ -277,10 +278,12 @@ class Scheduler:
                 except Exception as exc:  # the database went away: back off, never end run()
                     failures += 1
                     pause = plan.backoff(failures)
-                    log.warning("scheduler tick failed (%d in a row), trying again in %.2f s: %r",
-                                failures, pause, exc)
+                    readonly.retrying(log, exc, "scheduler tick failed (%d in a row), trying again "
+                                      "in %.2f s: %r", failures, pause, exc,
+                                      key=f"scheduler:{id(self)}")
                 else:
                     failures = 0
+                    readonly.writable(f"scheduler:{id(self)}")
                     db_now, read_at = self._ticked
                     pause = max(0.0, min(wake - db_now - (time.monotonic() - read_at), self._max_sleep))
                 await self._sleep(pause)
@@ -296,6 +299,7 @@ class Scheduler:
                 raise
             absorb_cancel()
         finally:
+            readonly.forget(f"scheduler:{id(self)}")  # retries no more: not waited for
             try:
                 unhook()
                 if declaring is not None:
@@ -447,7 +451,7 @@ class Scheduler:
             try:
                 await self._take_owed(owed)
             except Exception as exc:
-                log.warning("scheduler: taking owed runs failed: %r", exc)
+                readonly.retrying(log, exc, "scheduler: taking owed runs failed: %r", exc)
         await self._do_housekeeping()
         if self._claimant() is None:
             # Nothing is decided while the member (re)joins, so a due slot stays due:
@@ -534,7 +538,7 @@ class Scheduler:
         try:
             await work(list(self._specs.values()))
         except Exception as exc:
-            log.warning("scheduler: %s failed: %r", what, exc)
+            readonly.retrying(log, exc, "scheduler: %s failed: %r", what, exc)
 
     async def _recover(self, specs: list[Job]) -> None:
         runner = self._claimant()

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._core import readonly
 from .._core.aio import (
     CLEANUP_TIMEOUT,
     CleanupTimeout,
@@ -316,8 +317,8 @@ class SlotRunner:
                 # replica may have recorded the slot or taken it over.
                 if run.tenure.trust.left() <= pause:
                     raise
-                log.warning("job %r slot %s: recording %s failed, trying again: %r",
-                            run.spec.name, run.slot.at, entry[4], exc)
+                readonly.retrying(log, exc, "job %r slot %s: recording %s failed, trying again: %r",
+                                  run.spec.name, run.slot.at, entry[4], exc)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
 

@@ -217,8 +217,10 @@ class Event:
 class Fleet:
     """Three ``ha_replica.py`` processes, one per driver, on a pair's multi-host DSNs."""
 
-    def __init__(self, pair: StandbyPair, dbname: str, ttl: float) -> None:
+    def __init__(self, pair: Any, dbname: str, ttl: float, *, member_features: bool = False) -> None:
+        # pair: a StandbyPair, or anything with its DSN methods (tests/ha_patroni).
         self.pair, self.dbname, self.ttl = pair, dbname, ttl
+        self.member_features = member_features
         self.prefix = f"ha:{uuid.uuid4().hex[:6]}"
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.lines: dict[str, list[str]] = {}
@@ -234,7 +236,8 @@ class Fleet:
 
     def _spawn(self) -> None:
         pair, dbname, ttl = self.pair, self.dbname, self.ttl
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+               "HA_REPLICA_MEMBER_FEATURES": "1" if self.member_features else "0"}
         for i, driver in enumerate(DRIVERS):
             label = f"r{i}-{driver}"
             pool_dsn = {"asyncpg": pair.url(dbname), "psycopg": pair.libpq_dsn(dbname),

@@ -12,7 +12,11 @@ Every feature at once, each through multi-host DSNs that follow the primary:
   until the lock is lost, then takes it again;
 * a ``Lease`` on the pool, ``PREFIX:lease``, whose holder makes fenced writes;
 * a ``Scheduler`` on the pool with a per-second job ``PREFIX:job`` that records
-  each start in ``ha_starts`` and works for 0.3 s.
+  each start in ``ha_starts`` and works for 0.3 s;
+* with ``HA_REPLICA_MEMBER_FEATURES=1`` (the Patroni tests), also a member lease
+  (``Lease(pool, PREFIX:mlease, member=member)``) whose holder makes fenced writes,
+  and ``Partitions(member, PREFIX:parts, count=4)``, each own() printing ``own`` and
+  ``unowned`` events named ``PREFIX:parts/INDEX``.
 
 DRIVER is ``asyncpg``, ``psycopg`` or ``sqlalchemy`` (an ``AsyncEngine`` on POOL_DSN;
 the sessions then use asyncpg on DIRECT_DSN). Events go to stdout as
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -172,6 +177,28 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
             event("lease", lease_name, fence)
             await fenced_writes(lease_name, fence)
 
+    owned: dict[int, int] = {}  # part index -> fence, while own() runs
+    extra: list[Awaitable[None]] = []
+    if os.environ.get("HA_REPLICA_MEMBER_FEATURES") == "1":
+        mlease_name = f"{prefix}:mlease"
+
+        async def mlease_body() -> None:
+            async with pgcoord.Lease(pool, mlease_name, ttl=ttl, holder=LABEL, member=member) as fence:
+                event("lease", mlease_name, fence)
+                await fenced_writes(mlease_name, fence)
+
+        async def own(part: pgcoord.Partition) -> None:
+            owned[part.index] = part.fence
+            event("own", f"{prefix}:parts/{part.index}", part.fence)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                owned.pop(part.index, None)
+                event("unowned", f"{prefix}:parts/{part.index}", part.fence)
+
+        parts = pgcoord.Partitions(member, f"{prefix}:parts", count=4)
+        extra = [forever("lease", mlease_name, mlease_body), parts.run(own)]
+
     sched = Scheduler(pool, runner=LABEL, tick=0.2)
 
     @sched.cron(f"{prefix}:job", "* * * * * *", on_crash="skip", catch_up="all", deadline=60,
@@ -188,6 +215,7 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
             "member-elector": m_elector.fence if m_elector.is_leader else None,
             "lease": lease.fence if lease is not None and lease.valid else None,
             "locks": sorted(k for k, held in state.items() if held),
+            "parts": sorted(owned),
         }), flush=True)
 
     loop = asyncio.get_running_loop()
@@ -203,7 +231,12 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
                                     locked(m_holder, f"{prefix}:mlock:{LABEL}"))),
         asyncio.create_task(forever("lease", lease_name, lease_body)),
         asyncio.create_task(sched.run()),
+        *(asyncio.create_task(coro) for coro in extra),
     ]
+    for task in tasks:
+        # Nothing may end run() (or a body's retry loop): say so if one ends.
+        task.add_done_callback(lambda t: done.is_set() or event("ended", prefix, repr(
+            t.exception() if not t.cancelled() else "cancelled")[:120].replace(" ", "_")))
     print("READY", flush=True)
     await done.wait()
     for task in tasks:
@@ -216,6 +249,10 @@ async def main(driver: str, pool_dsn: str, direct_dsn: str, prefix: str, ttl: fl
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    # SIGUSR2: every thread's stack, to tell where a replica that went silent is stuck.
+    faulthandler.register(signal.SIGUSR2)
     LABEL = sys.argv[5]
     # pgcoord's warnings (a leader stepping down, and why) with the events' clock.
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout,
