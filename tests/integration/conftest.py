@@ -60,18 +60,33 @@ def pg_server() -> Iterator[Server]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def dsn(pg_server: Server) -> Iterator[str]:
-    """A database with pgcoord's schema at head, shared by the session."""
-    dbname = f"pgcoord_test_{uuid.uuid4().hex[:8]}"
+def migrated_database(pg_server: Server, prefix: str,
+                      settings: dict[str, str] | None = None) -> Iterator[str]:
+    """A database of its own with pgcoord's schema at head, carrying ``settings``
+    (``ALTER DATABASE ... SET``); its sessions are ended before it is dropped. For
+    ``yield from`` in a fixture."""
+    dbname = f"{prefix}_{uuid.uuid4().hex[:8]}"
     janitor = pg_server.janitor(dbname)
     janitor.init()
     url = pg_server.dsn(dbname)
     pgcoord.migrations.upgrade(url)
+    if settings:
+        with psycopg.connect(url, autocommit=True) as conn:
+            for name, value in settings.items():
+                conn.execute(f"ALTER DATABASE {dbname} SET {name} = '{value}'")
     try:
         yield url
     finally:
+        with psycopg.connect(pg_server.dsn("postgres"), autocommit=True) as conn:
+            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s",
+                         (dbname,))
         janitor.drop()
+
+
+@pytest.fixture(scope="session")
+def dsn(pg_server: Server) -> Iterator[str]:
+    """A database with pgcoord's schema at head, shared by the session."""
+    yield from migrated_database(pg_server, "pgcoord_test")
 
 
 @pytest.fixture

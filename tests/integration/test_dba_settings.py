@@ -20,28 +20,14 @@ import pytest
 import pgcoord
 import pgcoord.migrations
 
-from .conftest import Server, sql
+from .conftest import Server, migrated_database, sql
 from .sources import open_async
 
 DRIVERS = ["asyncpg", "psycopg"]
 
 
 def _database(pg_server: Server, settings: dict[str, str]) -> Iterator[str]:
-    dbname = f"pgcoord_dba_{uuid.uuid4().hex[:8]}"
-    janitor = pg_server.janitor(dbname)
-    janitor.init()
-    url = pg_server.dsn(dbname)
-    pgcoord.migrations.upgrade(url)
-    with psycopg.connect(url, autocommit=True) as conn:
-        for name, value in settings.items():
-            conn.execute(f"ALTER DATABASE {dbname} SET {name} = '{value}'")
-    try:
-        yield url
-    finally:
-        with psycopg.connect(pg_server.dsn("postgres"), autocommit=True) as conn:
-            conn.execute("select pg_terminate_backend(pid) from pg_stat_activity where datname = %s",
-                         (dbname,))
-        janitor.drop()
+    yield from migrated_database(pg_server, "pgcoord_dba", settings)
 
 
 def _role(pg_server: Server, url: str, settings: dict[str, str]) -> Iterator[str]:

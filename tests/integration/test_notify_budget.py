@@ -23,7 +23,7 @@ import pytest
 import pgcoord
 import pgcoord.migrations
 
-from .conftest import Server
+from .conftest import Server, migrated_database
 from .notify_spy import NotifySpy
 
 EARS_NS = 1885823854
@@ -31,15 +31,7 @@ EARS_NS = 1885823854
 
 @pytest.fixture(scope="module")
 def db(pg_server: Server) -> Iterator[str]:
-    dbname = f"pgcoord_budget_{uuid.uuid4().hex[:8]}"
-    janitor = pg_server.janitor(dbname)
-    janitor.init()
-    url = pg_server.dsn(dbname)
-    pgcoord.migrations.upgrade(url)
-    try:
-        yield url
-    finally:
-        janitor.drop()
+    yield from migrated_database(pg_server, "pgcoord_budget")
 
 
 @pytest.fixture
