@@ -28,6 +28,13 @@ async def close_ears(conn: DedicatedSession, channel: str) -> None:
 
 async def listen(conn: DedicatedSession, channel: str, callback: Callable[[str], None]) -> Unlisten:
     """Register, then LISTEN on ``channel`` and call ``callback(payload)`` for each
-    notification. The UNLISTEN, and ``close_ears`` after it, are the caller's."""
+    notification. ``unlisten`` undoes it."""
     await open_ears(conn, channel)
     return await conn.listen(channel, callback)
+
+
+async def unlisten(conn: DedicatedSession, channel: str, forget: Unlisten) -> None:
+    """Undo ``listen``: forget the callback, UNLISTEN, then leave the register."""
+    await forget()
+    await conn.execute(f'UNLISTEN "{channel}"')
+    await close_ears(conn, channel)

@@ -61,7 +61,7 @@ from .._core.aio import (
 from .._core.checks import KEEPALIVE_MAX
 from .._core.queries import query
 from .._drivers.dedicated import DsnSource, HolderConnection, behind_transaction_pooler
-from .._drivers.listen import close_ears, listen
+from .._drivers.listen import listen, unlisten
 from .._drivers.protocol import Unlisten
 from ..errors import PgcoordError, SchemaMissing
 from ..keys import lock_key
@@ -229,9 +229,7 @@ class Elector:
                 self._heard = await listen(conn, LEASE_CHANNEL, self._on_lease_news)
             elif not want and self._heard is not None:
                 heard, self._heard = self._heard, None
-                await heard()
-                await conn.execute(f'UNLISTEN "{LEASE_CHANNEL}"')
-                await close_ears(conn, LEASE_CHANNEL)
+                await unlisten(conn, LEASE_CHANNEL, heard)
 
     async def _listen_on_member(self) -> None:
         member = self._member

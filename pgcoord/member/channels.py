@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable
 
 from .._drivers.dedicated import HolderConnection
-from .._drivers.listen import close_ears, listen
+from .._drivers.listen import listen
+from .._drivers.listen import unlisten as stop_listening
 from .._drivers.protocol import Unlisten
 
 log = logging.getLogger("pgcoord.member")
@@ -84,9 +85,7 @@ class Channels:
             self.listening.discard(channel)
             unlisten = self._unlistens.pop(channel, None)
             if unlisten is not None:
-                await unlisten()
-                await main.execute(f'UNLISTEN "{channel}"')
-                await close_ears(main, channel)
+                await stop_listening(main, channel, unlisten)
             return channel
         return None
 
