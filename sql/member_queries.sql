@@ -37,8 +37,11 @@ SELECT pgcoord.member_reap($1)
 -- member's own session, its pid, holding it makes it alive.)
 SELECT pgcoord.member_reap_dead()
 
--- name: member_heartbeat
-SELECT pgcoord.member_heartbeat($1)
+-- name: member_beat
+-- A heartbeat (NULL: this member was declared dead), the group's sweep when this
+-- member is its sweeper, and with $2 the group as member_state shapes it, from the
+-- rows alone (pgcoord.member_beat, 0011).
+SELECT pgcoord.member_beat($1, $2)
 
 -- name: member_state
 -- Every live member's id (the watcher ring spans all groups, so that every

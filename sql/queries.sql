@@ -209,6 +209,15 @@ FROM (SELECT pg_catalog.{unlock_fn}($2::bigint) AS ok) AS released
 -- name: lease_acquire
 SELECT fence, expires_at FROM pgcoord.lease_acquire($1, $2, $3, $4)
 
+-- name: lease_may_be_free
+-- Whether lease $1 could be taken now for all its row says: held by nobody, or expired.
+-- A plain read, where lease_acquire locks the row (a write) and asks pg_locks whether
+-- the holder's session lives: a member-bound follower looks with this between news,
+-- and asks for the lease only when it may be free (see elector/campaign.py).
+SELECT NOT EXISTS (SELECT 1 FROM pgcoord.leases AS l
+                   WHERE l.name = $1 AND l.holder IS NOT NULL
+                     AND l.expires_at > pg_catalog.clock_timestamp())
+
 -- name: lease_acquire_bounded
 -- lease_acquire with a bound of its own ($5, e.g. '200ms') on the row lock it may
 -- wait for: ON CONFLICT DO UPDATE waits behind a fenced transaction that holds the row

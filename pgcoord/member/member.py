@@ -419,8 +419,11 @@ class Member:
             # statement stuck on it, a dead network) is not usable by anyone;
             # it is closed, and the member joins again.
             try:
+                # The group comes with the beat when nothing else tells us of it
+                # (not listening): one statement, and no pg_locks scan.
+                wanted = not self.polling and CHANNEL not in self._listening
                 async with asyncio.timeout(self.ttl / 2):
-                    alive = await self._call(query("member_heartbeat"), self.id)
+                    state = await self._call(query("member_beat"), self.id, wanted)
             except TimeoutError:
                 log.warning("member %r: no heartbeat within %.1fs; closing its session",
                             self.name, self.ttl / 2)
@@ -431,7 +434,7 @@ class Member:
             except Exception as exc:
                 self._survive(exc, "its heartbeat")
                 continue
-            if not alive:
+            if state is None:
                 # Declared dead (our lock was not seen): a new incarnation joins.
                 self._lost.set()
                 return
@@ -441,8 +444,11 @@ class Member:
                 else:
                     await self._listen_all()  # LISTEN only while something needs news
                     if CHANNEL not in self._listening:
-                        # No membership news: look (the ring, and the group for a later watch()).
-                        await self._refresh(quiet=True)
+                        # No membership news: the ring, and the group for a later watch().
+                        if wanted:
+                            self._apply(json.loads(state), quiet=True)
+                        else:
+                            await self._refresh(quiet=True)
             except Exception as exc:
                 self._survive(exc, "reading the group")
 
@@ -595,7 +601,12 @@ class Member:
         return _add_hook(self._lost_hooks, hook)
 
     async def _refresh(self, *, initial: bool = False, quiet: bool = False) -> None:
-        state = json.loads(await self._call(query("member_state"), self.group))
+        self._apply(json.loads(await self._call(query("member_state"), self.group)),
+                    initial=initial, quiet=quiet)
+
+    def _apply(self, state: dict[str, Any], *, initial: bool = False, quiet: bool = False) -> None:
+        """What a read of the group found (``member_state``'s shape): the ring, the
+        view, and (unless ``quiet``) the joins and departures it tells."""
         fresh = {info.id: info for info in map(_info, state["peers"])}
         ring = [int(i) for i in state["ring"]]
         gone: dict[str, str] = state["gone"]

@@ -99,7 +99,7 @@ class Scheduler:
         self._runner = runner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         # The parts: what runs here, the statements, the runs and their claims.
         self._registry = Registry(capacity)
-        self._store = Store(source)
+        self._store = Store(source, self._tick_member)
         self._wake = asyncio.Event()  # set: the loop ticks now
         self._runs = Runs(source, capacity, self._wake)
         self._claims = Claims(self._store, self._runs)
@@ -547,6 +547,12 @@ class Scheduler:
 
     def _recover_soon(self) -> None:
         self._last_recover = 0.0  # the next tick looks for lost claims
+
+    def _tick_member(self) -> Member | None:
+        """The member whose session reads the tick: ``member=``, or the private one."""
+        if self._member is not None:
+            return self._member
+        return self._own.member if self._own is not None else None
 
     def _claimant(self) -> str | None:
         """The runner name to claim slots under; None while the member is (re)joining:

@@ -12,14 +12,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import pytest
 
 import pgcoord
 
-from .conftest import sql
+from .conftest import migrated_database, sql
 
 REPLICA = str(Path(__file__).with_name("member_replica.py"))
 
@@ -159,3 +161,108 @@ async def test_a_follower_that_listens_to_nothing_takes_over_a_released_lease_at
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- what the members' background work costs the server ----------------------------------------
+
+@pytest.fixture
+def counted_dsn(pg_server: Any) -> Iterator[str]:
+    """A database of its own whose sessions count their function calls
+    (pg_stat_user_functions), so that a test counts what the members really ran."""
+    yield from migrated_database(pg_server, "pgcoord_counted", {"track_functions": "all"})
+
+
+def calls(dsn: str, function: str) -> int:
+    """Calls of pgcoord.``function`` counted so far (by sessions that have ended or
+    reported: each member session reports at its end)."""
+    rows = sql(dsn, "select coalesce(sum(calls), 0) from pg_stat_user_functions"
+                    " where schemaname = 'pgcoord' and funcname = %s", function)
+    return int(rows[0][0])
+
+
+async def reported(dsn: str, function: str, at_least: int) -> int:
+    """``calls()`` once the ended sessions' counts are in (they report as they exit)."""
+    deadline = time.monotonic() + 5.0
+    while (n := calls(dsn, function)) < at_least and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return n
+
+
+async def test_one_member_sweeps_its_group_not_every_heartbeat(counted_dsn: str) -> None:
+    # Every heartbeat used to sweep its group (a pg_locks scan) and read it (another):
+    # at 100 members, 60 scans a second. One member of a group sweeps it now.
+    ttl, n = 1.5, 6
+    g = group()
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(n):
+            await stack.enter_async_context(pgcoord.Member(counted_dsn, group=g, ttl=ttl))
+        await asyncio.sleep(3.0)
+    beats = await reported(counted_dsn, "member_beat", at_least=n * 4)
+    sweeps = calls(counted_dsn, "member_reap_group")
+    joins = calls(counted_dsn, "member_join")
+    assert beats >= n * 4, beats  # every member beat every ttl/3
+    # Each join sweeps too; beyond those, only the sweeper's beats do (the lowest id).
+    assert sweeps - joins <= beats // n + 2, (sweeps, joins, beats)
+
+
+async def test_member_bound_followers_do_not_ask_for_a_held_lease_between_news(
+        counted_dsn: str) -> None:
+    # A follower on a member used to ask for the lease every third of a ttl: an
+    # INSERT ... ON CONFLICT that locked the lease's row and scanned pg_locks. Now it
+    # reads whether the lease may be free, and asks only then.
+    ttl, name = 1.5, f"quiet:{uuid.uuid4().hex[:6]}"
+    led: list[int] = []
+    async with contextlib.AsyncExitStack() as stack:
+        members = [await stack.enter_async_context(pgcoord.Member(counted_dsn, group=group(), ttl=ttl))
+                   for _ in range(4)]
+
+        async def lead(fence: int) -> None:
+            led.append(fence)
+            await asyncio.sleep(3600)
+
+        tasks = [asyncio.create_task(pgcoord.Elector(m, name, ttl=ttl).run(lead)) for m in members]
+        try:
+            await until(lambda: led, 5.0)
+            await asyncio.sleep(3.0)  # six thirds of a ttl for every follower
+            assert len(led) == 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    renewals = await reported(counted_dsn, "lease_renew_asking", at_least=4)
+    asked = calls(counted_dsn, "lease_acquire")
+    assert renewals >= 4
+    # The leader's acquisition, and at most one try per follower as it started.
+    assert asked <= 4, asked
+
+
+async def test_a_member_s_scheduler_ticks_without_borrowing_from_the_pool(dsn: str) -> None:
+    # Each tick read the change counter through the pool: a checkout, and (asyncpg) a
+    # reset round trip to give the connection back, a second for every replica. With a
+    # member, the tick runs on its session.
+    checkouts = 0
+
+    async def counted(_conn: asyncpg.Connection) -> None:
+        nonlocal checkouts
+        checkouts += 1
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, setup=counted)
+    try:
+        async with pgcoord.Member(dsn, group=group(), ttl=10) as member:
+            sched = pgcoord.Scheduler(pool, member=member)
+
+            @sched.cron(f"tick-job:{uuid.uuid4().hex[:6]}", "0 0 1 1 *")
+            async def job() -> None:
+                pass
+
+            runner = asyncio.create_task(sched.run())
+            try:
+                await asyncio.sleep(2.0)  # the first ticks: loads, housekeeping
+                before = checkouts
+                await asyncio.sleep(4.0)  # four ticks
+                assert checkouts - before <= 1, checkouts - before
+            finally:
+                await sched.stop()
+                await runner
+    finally:
+        await pool.close()
