@@ -60,6 +60,11 @@ class Proc:
         self.prefix = f"p{uuid.uuid4().hex[:6]}"
         self.per = per
         self.lines: list[str] = []
+        # (kind, prefix of the member seen) -> our member's index -> times: parsed as
+        # lines come, so that waiting for a round to end costs the harness (on the
+        # cores the survivors share) next to nothing; re-reading every line at each
+        # look took a good part of a core while the news was being delivered.
+        self.events: dict[tuple[str, str], dict[int, list[float]]] = {}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--process", dsn, group,
                                       self.prefix, str(per)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -68,7 +73,12 @@ class Proc:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.append(line.strip())
+            line = line.strip()
+            self.lines.append(line)
+            parts = line.split()
+            if len(parts) == 4 and parts[0] in ("LEFT", "JOINED-PEER"):
+                seen = self.events.setdefault((parts[0], parts[2].split("/")[0]), {})
+                seen.setdefault(int(parts[1]), []).append(float(parts[3]))
 
     def pids(self) -> list[int] | None:
         for line in list(self.lines):
@@ -78,12 +88,7 @@ class Proc:
 
     def seen(self, kind: str, prefix: str) -> dict[int, list[float]]:
         """For each of our members, the times it saw `kind` of members of `prefix`."""
-        out: dict[int, list[float]] = {}
-        for line in list(self.lines):
-            parts = line.split()
-            if parts[0] == kind and parts[2].startswith(prefix + "/"):
-                out.setdefault(int(parts[1]), []).append(float(parts[3]))
-        return out
+        return {i: list(times) for i, times in self.events.get((kind, prefix), {}).items()}
 
 
 def wait_until(check: object, timeout: float) -> bool:

@@ -1,6 +1,6 @@
 """The NOTIFY tax: what pgcoord's listeners cost an application's own NOTIFY traffic.
 
-    python bench/notify_tax.py [--members 100] [--processes 5] [--seconds 5] [--listeners 0,5,20,100]
+    python bench/notify_tax.py [--members 100] [--processes 5] [--seconds 5] [--listeners 0,5,20,100] [--rounds 8]
 
 Before PostgreSQL 19, a NOTIFY's commit signals every session that LISTENs in the
 database, whatever the channel. So an application that NOTIFYs (a job queue, a
@@ -18,6 +18,12 @@ connections, autocommit, each statement its own commit) for ``--seconds``:
 Each row gives the rate and its ratio to the mean of the baselines around it, and
 how many sessions LISTEN while the case runs (each member process counts its own:
 no catalog view shows another session's channels).
+
+A second table compares the members running with the same members stopped
+(SIGSTOP), in ``--rounds`` alternating rounds: each ratio has a baseline measured
+seconds away, and the median over rounds stands against a shared machine's drift.
+Stopped members keep their sessions open (idle, listening to nothing), so this
+isolates what the members' work costs from what their connections cost.
 """
 
 from __future__ import annotations
@@ -161,6 +167,33 @@ async def with_plain_listeners(dsn: str, n: int, seconds: float) -> tuple[float,
             await conn.close()
 
 
+def alternating(dsn: str, procs: list[subprocess.Popen[str]], rounds: int, seconds: float,
+                statement: str) -> list[float]:
+    """Per round, the rate beside the running members over the rate beside the same
+    members stopped (SIGSTOP: their sessions stay, idle, and none listens). Rounds a few
+    seconds apart, each its own baseline: on a shared machine, a baseline taken a
+    minute away moved the ratio more than the members did."""
+    ratios = []
+    for _ in range(rounds):
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.3)
+        stopped = asyncio.run(commit_rate(dsn, seconds, statement))
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        running = asyncio.run(commit_rate(dsn, seconds, statement))
+        ratios.append(running / stopped)
+    return ratios
+
+
+def spread(ratios: list[float]) -> str:
+    """The median ratio and the middle half of the rounds."""
+    ordered = sorted(ratios)
+    n = len(ordered)
+    return (f"{ordered[n // 2]:.2f} | {ordered[n // 4]:.2f}–{ordered[(3 * n) // 4 - (1 if n % 4 == 0 else 0)]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,6 +201,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--listeners", default="5,20,100")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="rounds of members stopped / running (the second table)")
     args = parser.parse_args()
     from bench._server import bench_database
 
@@ -191,6 +226,9 @@ def main() -> None:
         try:
             rate = asyncio.run(commit_rate(dsn, args.seconds))
             plain = asyncio.run(commit_rate(dsn, args.seconds, PLAIN))
+            short = max(1.0, args.seconds / 2)
+            notify_ratios = alternating(dsn, procs, args.rounds, short, NOTIFY)
+            plain_ratios = alternating(dsn, procs, args.rounds, short, PLAIN)
         finally:
             stop_members(procs)
         time.sleep(1.0)
@@ -199,6 +237,14 @@ def main() -> None:
         row(f"{args.members} members (elector, lock, scheduler)", rate, listening, (before + after) / 2)
         print(f"| control: the same commits without NOTIFY, beside the {args.members} members | "
               f"{listening} | {plain:,.0f} | {plain / ((plain_before + plain_after) / 2):.2f} |")
+        print()
+        print(f"The same {args.members} members running against stopped (SIGSTOP), {args.rounds} rounds"
+              f" of {max(1.0, args.seconds / 2):.1f} s each way:")
+        print()
+        print("| application's commits | running / stopped (median) | middle half of rounds |")
+        print("|---|---:|---:|")
+        print(f"| NOTIFY | {spread(notify_ratios)} |")
+        print(f"| control: without NOTIFY | {spread(plain_ratios)} |")
 
 
 if __name__ == "__main__":
