@@ -1,2 +1,4 @@
--- pgcoord 0011 down: members beat with member_heartbeat (0004) again.
+-- pgcoord 0011 down: members beat with member_heartbeat (0004) again, and a watcher
+-- reaps in a statement of its own after its wait.
+DROP FUNCTION pgcoord.member_wait_reap(integer);
 DROP FUNCTION pgcoord.member_beat(integer, boolean);

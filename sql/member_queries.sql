@@ -71,6 +71,11 @@ SELECT pg_catalog.json_build_object(
 -- holds that lock; the watcher gives it back at once with member_unwatch.
 SELECT pg_catalog.pg_advisory_lock(1885823853, $1)
 
+-- name: member_wait_reap
+-- member_wait_alive, then (granted: member $1's session is gone) member_reap_dead, in
+-- one statement (pgcoord.member_wait_reap, 0011).
+SELECT pgcoord.member_wait_reap($1)
+
 -- name: member_unwatch
 SELECT pg_catalog.pg_advisory_unlock(1885823853, $1)
 

@@ -1,10 +1,11 @@
 """The member's watcher: its second session, waiting in the lock queue for the alive
 lock of its successor in the ring (the live members of every group, by id).
 
-When the successor's session ends the server grants the lock at once: the watcher
-records the death (``member_reap``, which NOTIFYs everyone), tells its own member
-without waiting for that NOTIFY to come back, gives the lock back and moves on to
-the next successor. A change of ring moves a watcher blocked on a target that is no
+When the successor's session ends the server grants the lock at once, and the same
+statement (``member_wait_reap``) records every death it finds and tells it in one
+NOTIFY, heard by those who listen. The watcher tells its own member without waiting
+for that NOTIFY to come back, settles what the dead held, gives the lock back and
+moves on to the next successor. A change of ring moves a watcher blocked on a target that is no
 longer the successor by cancelling its wait (``pg_cancel_backend`` from the main
 session). docs/members.md tells the whole story.
 
@@ -41,6 +42,11 @@ log = logging.getLogger("pgcoord.member")
 
 # How often a member alone in the ring looks for company, besides being told.
 LONE_LOOK_EVERY = 1.0
+
+#: Errors of a reap after its grant that another watcher's reap of the same deaths can
+#: cause (both mark the same rows): the round is tried again.
+_REAP_RACES = frozenset({_errmap.SQLSTATE_DEADLOCK, _errmap.SQLSTATE_SERIALIZATION_FAILURE,
+                         _errmap.SQLSTATE_LOCK_NOT_AVAILABLE})
 
 
 def candidacy_key(lease: str) -> int:
@@ -214,12 +220,19 @@ class RingWatch:
             self._target = target
             self._waiting = True
             try:
-                await watcher.fetchval(query("member_wait_alive"), target)
+                # Granted, the target's session is gone: the same statement marks it
+                # and whoever died with it (often its neighbours in the ring) gone,
+                # and tells them.
+                raw = await watcher.fetchval(query("member_wait_reap"), target)
             except Exception as exc:
                 self._target = None
-                if _errmap.sqlstate(exc) == _errmap.SQLSTATE_QUERY_CANCELED:
-                    # Moved on to another successor, or poked. The cancel may have
+                code = _errmap.sqlstate(exc)
+                if code == _errmap.SQLSTATE_QUERY_CANCELED or code in _REAP_RACES:
+                    # Moved on to another successor, or poked; or the reap after the
+                    # grant lost a race with another watcher's. The cancel may have
                     # landed just after the grant: let go of the lock if we got it.
+                    # A target still listed is waited on (granted at once) and reaped
+                    # again in the next round.
                     self._waiting = False
                     await self._unwatch(watcher, target, held_or_not=True)
                     await self._woken()
@@ -228,21 +241,17 @@ class RingWatch:
             finally:
                 self._waiting = False
             self._target = None
-            # Granted: the target's session is gone. Tell everyone, settle what it
-            # held that others wait for (its leases' candidates are woken, its job
-            # claims expired), then let go.
-            # Every member found dead by this statement is told, the target and
-            # whoever died with it (often its neighbours in the ring).
+            # Settle what the dead held that others wait for (its leases' candidates
+            # are woken, its job claims expired), then let go.
             try:
-                raw = await self._call(query("member_reap_dead"))
                 # (Those marked already were told by whoever marked them.)
                 dead = {int(i): why for i, why in json.loads(raw) if why is not None}
                 dead.setdefault(target, None)
                 await self._call(query("member_settle"), sorted(dead))
             except SessionLost:
                 raise
-            except Exception as exc:  # e.g. a lock_timeout: the heartbeat sweep will tell it
-                log.warning("member %r: telling member %d's death failed: %r", self._name, target, exc)
+            except Exception as exc:  # e.g. a lock_timeout: its claims still expire
+                log.warning("member %r: settling member %d's death failed: %r", self._name, target, exc)
                 dead = {target: None}
             # Tell our own side now rather than when our NOTIFY comes back, and
             # move on past the dead at once. No reason: it said goodbye, and that
