@@ -10,8 +10,8 @@
 -- the watcher ring within milliseconds; the sweep finds the members whose watcher was
 -- paused itself, and the sessionless members whose heartbeats stopped): one sweeper per
 -- group is enough, the member with the lowest id among those whose heartbeat is fresh
--- (younger than half their ttl). If it stops beating, the next one sweeps within a
--- half ttl. The group read without pg_locks may list a dead member not yet swept: in
+-- (younger than half the shorter of its ttl and the asker's). If it stops beating, the
+-- next one sweeps within a half ttl. Members behind a pooler sweep at every beat. The group read without pg_locks may list a dead member not yet swept: in
 -- the ring, its watcher is granted its lock at once and reaps it.
 
 CREATE FUNCTION pgcoord.member_beat(member_id integer, want_state boolean) RETURNS text
@@ -20,16 +20,25 @@ CREATE FUNCTION pgcoord.member_beat(member_id integer, want_state boolean) RETUR
     AS $body$
     DECLARE
         grp text;
+        own_ttl integer;
+        own_session boolean;
     BEGIN
         UPDATE pgcoord.member_sessions SET heartbeat_at = pg_catalog.clock_timestamp()
-        WHERE id = member_id AND left_at IS NULL RETURNING "group" INTO grp;
+        WHERE id = member_id AND left_at IS NULL
+        RETURNING "group", ttl_ms, has_session INTO grp, own_ttl, own_session;
         IF grp IS NULL THEN
             RETURN NULL;  -- declared dead: the member joins again
         END IF;
-        IF EXISTS (SELECT 1 FROM pgcoord.member_sessions AS o
-                   WHERE o."group" = grp AND o.left_at IS NULL AND o.id < member_id
-                     AND o.heartbeat_at > pg_catalog.clock_timestamp()
-                                          - (o.ttl_ms / 2) * interval '1 millisecond') THEN
+        -- A member behind a pooler (no session) always sweeps: it learns of departures
+        -- by reading the group next, and a departure it finds unmarked would be told
+        -- without its reason. Fresh is judged on the shorter of the two ttls, so that a
+        -- member with a long ttl (beating seldom) does not stand in for one whose
+        -- group's deaths must be told sooner.
+        IF own_session AND EXISTS (
+                SELECT 1 FROM pgcoord.member_sessions AS o
+                WHERE o."group" = grp AND o.left_at IS NULL AND o.id < member_id
+                  AND o.heartbeat_at > pg_catalog.clock_timestamp()
+                      - (LEAST(o.ttl_ms, own_ttl) / 2) * interval '1 millisecond') THEN
             -- Only a heartbeat written: not worth waiting for a WAL flush (or a
             -- synchronous standby), since a heartbeat lost in a crash is replaced a
             -- third of a ttl later. A sweep's deaths are committed as usual.
@@ -63,22 +72,89 @@ CREATE FUNCTION pgcoord.member_beat(member_id integer, want_state boolean) RETUR
     END
     $body$;
 
+-- Which process a member lives in (host:pid, as the client says), so that a death can
+-- be told together with the deaths of the members that died with it.
+ALTER TABLE pgcoord.member_sessions ADD COLUMN client text;
+
+COMMENT ON COLUMN pgcoord.member_sessions.client IS
+    'pgcoord: the member''s process (host:pid), as it said when it joined; NULL before 0011.';
+
+-- member_join, and the process the member lives in.
+CREATE FUNCTION pgcoord.member_join_from(grp text, member_name text, member_meta jsonb, ttl_ms integer,
+                                         app_name text, session boolean, from_client text)
+    RETURNS TABLE (id integer, joined_at timestamptz)
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    AS $body$
+    DECLARE
+        joined record;
+    BEGIN
+        SELECT j.id, j.joined_at INTO joined
+        FROM pgcoord.member_join(grp, member_name, member_meta, ttl_ms, app_name, session) AS j;
+        UPDATE pgcoord.member_sessions AS m SET client = from_client WHERE m.id = joined.id;
+        RETURN QUERY SELECT joined.id, joined.joined_at;
+    END
+    $body$;
+
 -- A watcher's wait for its successor's alive lock and the reap that follows its grant,
 -- in one statement on the watcher's session: the news leaves the server without a
 -- round trip through the client (which, when a process takes ten members with it, is
--- one of twenty processes waking on the same cores). A target already marked gone (by
--- the watcher of a member that died with it) costs no pg_locks read. The lock is a
--- session lock, kept when the statement fails after the grant (the watcher lets it go
--- either way). Returns member_reap_dead's [[id, reason], ...].
+-- one of twenty processes waking on the same cores).
+--
+-- Deaths come together: a process with several members takes them all, and its
+-- sessions end one after another over tens of milliseconds. Reaped as each watcher is
+-- granted, they were told in several NOTIFYs, each signalling every listening session.
+-- So once granted, the statement also waits, for 50 ms at most in all, for the alive
+-- locks of the target's live-looking siblings (members of the same process): a process
+-- that died is told in one NOTIFY as soon as its last session has ended. A sibling that
+-- lives (only the target's session was ended) costs the news those 50 ms. Those locks
+-- are transaction locks, gone when the statement ends. Every wait here is in share mode:
+-- a member holds its own alive lock exclusively, so a share is granted only once its
+-- session has ended, and the watchers of members that died together, each waiting for
+-- the others' locks, never wait for one another (in exclusive mode, a sibling's lock
+-- granted to its own watcher held every other watcher up to its 50 ms).
+--
+-- A target already marked gone (by the watcher of a member that died with it) costs no
+-- pg_locks read. The target's lock is a session lock, kept when the statement fails
+-- after the grant (the watcher lets it go either way). Returns member_reap_dead's
+-- [[id, reason], ...].
 CREATE FUNCTION pgcoord.member_wait_reap(target integer) RETURNS text
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pgcoord, pg_temp
     AS $body$
+    DECLARE
+        process text;
+        sibling integer;
+        waited_until timestamptz;
+        left_ms integer;
     BEGIN
-        PERFORM pg_catalog.pg_advisory_lock(pgcoord.member_alive_ns(), target);
-        IF NOT EXISTS (SELECT 1 FROM pgcoord.member_sessions AS m
-                       WHERE m.id = target AND m.left_at IS NULL) THEN
-            RETURN '[]';
+        PERFORM pg_catalog.pg_advisory_lock_shared(pgcoord.member_alive_ns(), target);
+        SELECT m.client INTO process FROM pgcoord.member_sessions AS m
+        WHERE m.id = target AND m.left_at IS NULL;
+        IF NOT FOUND THEN
+            RETURN '[]';  -- told already
+        END IF;
+        IF process IS NOT NULL THEN
+            waited_until := pg_catalog.clock_timestamp() + interval '50 milliseconds';
+            FOR sibling IN
+                SELECT m.id FROM pgcoord.member_sessions AS m
+                WHERE m.client = process AND m.left_at IS NULL AND m.has_session AND m.id <> target
+                ORDER BY m.id
+            LOOP
+                left_ms := ceil(extract(epoch FROM waited_until - pg_catalog.clock_timestamp()) * 1000);
+                EXIT WHEN left_ms <= 0;
+                BEGIN
+                    PERFORM pg_catalog.set_config('lock_timeout', left_ms::text, true);
+                    PERFORM pg_catalog.pg_advisory_xact_lock_shared(pgcoord.member_alive_ns(), sibling);
+                EXCEPTION WHEN lock_not_available THEN
+                    EXIT;  -- a sibling lives: the process did not die with the target
+                END;
+            END LOOP;
+            PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+            IF NOT EXISTS (SELECT 1 FROM pgcoord.member_sessions AS m
+                           WHERE m.id = target AND m.left_at IS NULL) THEN
+                RETURN '[]';  -- told meanwhile, by a sibling's watcher
+            END IF;
         END IF;
         RETURN pgcoord.member_reap_dead();
     END

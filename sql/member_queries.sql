@@ -19,7 +19,8 @@ SET idle_session_timeout = {idle_ms}; SET lock_timeout = 500; SET client_connect
 SET idle_session_timeout = {idle_ms}; SET client_connection_check_interval = 1000
 
 -- name: member_join
-SELECT id, joined_at FROM pgcoord.member_join($1, $2, $3::jsonb, $4, $5, $6)
+-- $7: the process the member lives in, host:pid (pgcoord.member_join_from, 0011).
+SELECT id, joined_at FROM pgcoord.member_join_from($1, $2, $3::jsonb, $4, $5, $6, $7)
 
 -- name: member_leave
 SELECT pgcoord.member_leave($1)
@@ -61,31 +62,33 @@ SELECT pg_catalog.json_build_object(
                                                    'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
                ORDER BY m.id)
         FROM live AS m, grp WHERE m."group" = grp.name), '[]'),
+    -- A dead member not marked yet (its heartbeat ran out between a sweep and this
+    -- read) is given the reason its marking will give it.
     'gone', coalesce((
-        SELECT pg_catalog.json_object_agg(g.id, g.left_reason)
+        SELECT pg_catalog.json_object_agg(
+                   g.id, coalesce(g.left_reason, pgcoord.member_left_reason(g.heartbeat_at, g.ttl_ms)))
         FROM pgcoord.member_sessions AS g, grp
-        WHERE g."group" = grp.name AND g.left_at IS NOT NULL), '{}'))::text
-
--- name: member_wait_alive
--- Blocks until member $1's session is gone (its alive lock is released), then
--- holds that lock; the watcher gives it back at once with member_unwatch.
-SELECT pg_catalog.pg_advisory_lock(1885823853, $1)
+        WHERE g."group" = grp.name
+          AND (g.left_at IS NOT NULL OR NOT EXISTS (SELECT 1 FROM live AS l WHERE l.id = g.id))), '{}'))::text
 
 -- name: member_wait_reap
--- member_wait_alive, then (granted: member $1's session is gone) member_reap_dead, in
--- one statement (pgcoord.member_wait_reap, 0011).
+-- Blocks until member $1's session is gone (a share of its alive lock is granted, and
+-- held: the watcher gives it back with member_unwatch), then marks gone and tells
+-- every dead member, as member_reap_dead, in one statement (pgcoord.member_wait_reap,
+-- 0011).
 SELECT pgcoord.member_wait_reap($1)
 
 -- name: member_unwatch
-SELECT pg_catalog.pg_advisory_unlock(1885823853, $1)
+-- The share of a dead member's alive lock member_wait_reap was granted.
+SELECT pg_catalog.pg_advisory_unlock_shared(1885823853, $1)
 
 -- name: member_unwatch_if_held
 -- After a cancelled wait: the grant may have come just before the cancel.
 WITH target AS (SELECT CAST($1 AS integer) AS id)
-SELECT pg_catalog.pg_advisory_unlock(1885823853, target.id)
+SELECT pg_catalog.pg_advisory_unlock_shared(1885823853, target.id)
 FROM target, pg_catalog.pg_locks AS l
 WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid = pg_catalog.pg_backend_pid()
-  AND l.classid = 1885823853 AND l.objid = target.id::oid
+  AND l.classid = 1885823853 AND l.objid = target.id::oid AND l.mode = 'ShareLock' AND l.granted
 
 -- name: member_idle
 -- A watcher with nobody to watch sleeps on the server: a poke or a retarget cuts

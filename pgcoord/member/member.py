@@ -32,6 +32,8 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,13 @@ __all__ = ["Member", "MemberWatch"]
 log = logging.getLogger("pgcoord.member")
 
 CHANNEL = "pgcoord_members"
+
+
+def _process() -> str:
+    """This process, as member rows name it (``client``): members of one process die
+    together, and their deaths are told together (``member_wait_reap``, 0011)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
 
 #: What cuts a statement of the member's short without saying anything of its session.
 _BUSY = (_errmap.SQLSTATE_LOCK_NOT_AVAILABLE, _errmap.SQLSTATE_QUERY_CANCELED)
@@ -253,7 +262,7 @@ class Member:
                         "SELECT pg_catalog.row_to_json(j)::text FROM ("
                         + query("member_join") + ") AS j",
                         self.group, self.name, self._meta_json, int(self.ttl * 1000),
-                        self.application_name, not self.polling,
+                        self.application_name, not self.polling, _process(),
                     )
                 except Exception as exc:
                     if _errmap.sqlstate(exc) == _errmap.SQLSTATE_NAME_TAKEN:
