@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -266,3 +267,66 @@ async def test_a_member_s_scheduler_ticks_without_borrowing_from_the_pool(dsn: s
                 await runner
     finally:
         await pool.close()
+
+
+# A process with several members, for the test below: prints each member's id and its
+# main session's backend pid, then waits to be stopped and killed.
+MANY = """
+import asyncio, sys
+import pgcoord
+
+async def main(dsn, group, n):
+    members = [pgcoord.Member(dsn, group=group, ttl=30) for _ in range(n)]
+    for m in members:
+        await m.open()
+    print(" ".join(f"{m.id}:{m._main.backend_pid}" for m in members), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def test_members_of_a_process_that_dies_are_told_in_one_notify(dsn: str) -> None:
+    # A process's sessions end one after another when it dies (tens of milliseconds
+    # apart on a busy host). Each watcher granted a dead member's lock used to tell
+    # what it found at once, so one process's death came as several NOTIFYs, each
+    # signalling every listening session. The watcher now waits (50 ms at most) for the
+    # dead member's siblings in the same process, and tells them together.
+    g = group()
+    heard: list[list[int]] = []
+    listener = await asyncpg.connect(dsn)
+
+    def on_news(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+        news = json.loads(payload)
+        if news.get("ev") == "left" and news.get("group") == g:
+            heard.append([int(i) for i, _ in (news.get("ids") or [[news["id"], None]])])
+
+    await listener.add_listener("pgcoord_members", on_news)
+    # The observer registers as a listener (pgcoord.ears_open), so that news is sent.
+    async with pgcoord.Member(dsn, group=g, ttl=30) as observer:
+        changes = observer.watch()
+        child = subprocess.Popen([sys.executable, "-c", MANY, dsn, g, "4"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            line = await asyncio.to_thread(child.stdout.readline)
+            ids = {int(p.split(":")[0]): int(p.split(":")[1]) for p in line.split()}
+            await asyncio.sleep(0.5)  # every member watched by now
+            # The process stops; its members' sessions end 15 ms apart (the server ends
+            # them, as it does a dead process's).
+            child.send_signal(signal.SIGSTOP)
+            for pid in ids.values():
+                await listener.execute("select pg_terminate_backend($1)", pid)
+                await asyncio.sleep(0.010)
+            told: set[int] = set()
+            while not set(ids) <= told:
+                change = await asyncio.wait_for(changes.__anext__(), 5.0)
+                if isinstance(change, pgcoord.MemberLeft):
+                    told.add(change.member.id)
+            await asyncio.sleep(0.3)  # any later NOTIFY of the same deaths
+            mine = [batch for batch in heard if set(batch) & set(ids)]
+            assert len(mine) == 1 and set(mine[0]) == set(ids), heard
+        finally:
+            child.send_signal(signal.SIGCONT)
+            child.kill()
+            child.wait()
+            await listener.close()
