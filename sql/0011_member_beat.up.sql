@@ -125,6 +125,7 @@ CREATE FUNCTION pgcoord.member_wait_reap(target integer) RETURNS text
     DECLARE
         process text;
         sibling integer;
+        saved_lock_timeout text := pg_catalog.current_setting('lock_timeout');
         waited_until timestamptz;
         left_ms integer;
     BEGIN
@@ -150,7 +151,7 @@ CREATE FUNCTION pgcoord.member_wait_reap(target integer) RETURNS text
                     EXIT;  -- a sibling lives: the process did not die with the target
                 END;
             END LOOP;
-            PERFORM pg_catalog.set_config('lock_timeout', '0', true);
+            PERFORM pg_catalog.set_config('lock_timeout', saved_lock_timeout, true);
             IF NOT EXISTS (SELECT 1 FROM pgcoord.member_sessions AS m
                            WHERE m.id = target AND m.left_at IS NULL) THEN
                 RETURN '[]';  -- told meanwhile, by a sibling's watcher

@@ -234,33 +234,53 @@ class RingWatch:
                     # A target still listed is waited on (granted at once) and reaped
                     # again in the next round.
                     self._waiting = False
-                    await self._unwatch(watcher, target, held_or_not=True)
+                    if await self._unwatch(watcher, target, held_or_not=True):
+                        # Granted before the cut (in the wait for its siblings, or
+                        # its reap): its session is gone, and a fresh read of the ring
+                        # no longer lists it, so nobody else would tell it before the
+                        # next sweep. Tell it now, without waiting for the siblings.
+                        await self._settle(target, await self._reap_now(target))
                     await self._woken()
                     continue
                 raise
             finally:
                 self._waiting = False
             self._target = None
-            # Settle what the dead held that others wait for (its leases' candidates
-            # are woken, its job claims expired), then let go.
-            try:
-                # (Those marked already were told by whoever marked them.)
-                dead = {int(i): why for i, why in json.loads(raw) if why is not None}
-                dead.setdefault(target, None)
-                await self._call(query("member_settle"), sorted(dead))
-            except SessionLost:
-                raise
-            except Exception as exc:  # e.g. a lock_timeout: its claims still expire
-                log.warning("member %r: settling member %d's death failed: %r", self._name, target, exc)
-                dead = {target: None}
-            # Tell our own side now rather than when our NOTIFY comes back, and
-            # move on past the dead at once. No reason: it said goodbye, and that
-            # news is still on its way to us.
-            for member_id, reason in dead.items():
-                if member_id in self.ids:
-                    self._told_dead(member_id, reason or "left")
+            await self._settle(target, raw)
             await self._unwatch(watcher, target)
             await self._woken()
+
+    async def _reap_now(self, target: int) -> str:
+        """``member_reap_dead`` on the main session: every dead member, marked and told
+        (``[]`` if it fails: the heartbeat's sweep still tells them)."""
+        try:
+            return str(await self._call(query("member_reap_dead")))
+        except SessionLost:
+            raise
+        except Exception as exc:
+            log.warning("member %r: telling member %d's death failed: %r", self._name, target, exc)
+            return "[]"
+
+    async def _settle(self, target: int, raw: str) -> None:
+        """After ``target`` was found dead and the dead were told (``raw``, the reap's
+        ``[[id, reason], ...]``): settle what they held that others wait for (their
+        leases' candidates are woken, their job claims expired), and tell our own
+        side now rather than when our NOTIFY comes back."""
+        try:
+            # (Those marked already were told by whoever marked them.)
+            dead = {int(i): why for i, why in json.loads(raw) if why is not None}
+            dead.setdefault(target, None)
+            await self._call(query("member_settle"), sorted(dead))
+        except SessionLost:
+            raise
+        except Exception as exc:  # e.g. a lock_timeout: its claims still expire
+            log.warning("member %r: settling member %d's death failed: %r", self._name, target, exc)
+            dead = {target: None}
+        # Move on past the dead at once. No reason: it said goodbye, and that news is
+        # still on its way to us.
+        for member_id, reason in dead.items():
+            if member_id in self.ids:
+                self._told_dead(member_id, reason or "left")
 
     async def read(self) -> set[int]:
         """Read the ring afresh (when membership news is not listened to) and move the
@@ -306,15 +326,16 @@ class RingWatch:
         finally:
             self._waiting = False
 
-    async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> None:
+    async def _unwatch(self, watcher: HolderConnection, target: int, *, held_or_not: bool = False) -> bool:
+        """Give back the share of ``target``'s alive lock; with ``held_or_not``, only if
+        it was granted (True then)."""
         # A retarget's pg_cancel_backend may land on this statement: try again.
         for _ in range(5):
             try:
                 if held_or_not:
-                    await watcher.fetchval(query("member_unwatch_if_held"), target)
-                else:
-                    await watcher.fetchval(query("member_unwatch"), target)
-                return
+                    return bool(await watcher.fetchval(query("member_unwatch_if_held"), target))
+                await watcher.fetchval(query("member_unwatch"), target)
+                return True
             except Exception as exc:
                 if _errmap.sqlstate(exc) != _errmap.SQLSTATE_QUERY_CANCELED:
                     raise
