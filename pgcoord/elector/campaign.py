@@ -93,8 +93,9 @@ async def campaign_on_member(el: Elector) -> tuple[int, bool, float]:
         if quiet and not rang and not el.polling:
             # Between news, a lease whose bell another session holds can be taken
             # only once it has expired (a holder's death frees the bell; a release
-            # or a resignation is news): a plain read says whether to ask. Asking each time locked the lease's
-            # row and scanned pg_locks, once a third of a ttl for every follower.
+            # or a resignation is news): a plain read says whether to ask. Asking
+            # each time locked the lease's row and scanned pg_locks, once a third
+            # of a ttl for every follower.
             quiet = bool(await el._call(query("lease_may_be_free"), el.name))
         if rang or el.polling or quiet:
             sent = time.monotonic()

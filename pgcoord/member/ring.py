@@ -5,9 +5,9 @@ When the successor's session ends the server grants the lock at once, and the sa
 statement (``member_wait_reap``) records every death it finds and tells it in one
 NOTIFY, heard by those who listen. The watcher tells its own member without waiting
 for that NOTIFY to come back, settles what the dead held, gives the lock back and
-moves on to the next successor. A change of ring moves a watcher blocked on a target that is no
-longer the successor by cancelling its wait (``pg_cancel_backend`` from the main
-session). docs/members.md tells the whole story.
+moves on to the next successor. A change of ring moves a watcher blocked on a target
+that is no longer the successor by cancelling its wait (``pg_cancel_backend`` from
+the main session). docs/members.md tells the whole story.
 
 The watcher is also how a member is woken without a broadcast. Before PostgreSQL 19
 every NOTIFY signals every listening session of the database, so a fleet whose
@@ -229,10 +229,8 @@ class RingWatch:
                 code = _errmap.sqlstate(exc)
                 if code == _errmap.SQLSTATE_QUERY_CANCELED or code in _REAP_RACES:
                     # Moved on to another successor, or poked; or the reap after the
-                    # grant lost a race with another watcher's. The cancel may have
-                    # landed just after the grant: let go of the lock if we got it.
-                    # A target still listed is waited on (granted at once) and reaped
-                    # again in the next round.
+                    # grant lost a race with another watcher's. The cut may have
+                    # landed after the grant: let go of the lock if we got it.
                     self._waiting = False
                     if await self._unwatch(watcher, target, held_or_not=True):
                         # Granted before the cut (in the wait for its siblings, or

@@ -62,8 +62,8 @@ class Store:
         """``schedule_tick``'s row, on the scheduler's member's session while it has
         one: a tick a second is the scheduler's steadiest statement, and a pool's
         checkout costs a round trip of its own to give the connection back (asyncpg
-        resets it), a third of what 100 members cost the server. The pool answers
-        while the member joins again."""
+        resets it): at 100 members, the most frequent round trip of all. The pool
+        answers while the member joins again."""
         member = self._member()
         if member is not None and member.has_session:
             try:
