@@ -43,4 +43,6 @@ if [ "${1:-}" = "--upgrade" ] || ! "$venv/bin/patroni" --version 2>/dev/null | g
 fi
 "$venv/bin/patroni" --version
 etcd_bin=$(command -v etcd || echo /usr/bin/etcd)
-"$etcd_bin" --version | head -1
+# (awk, not head: head leaves before etcd has written everything, and with pipefail
+# the SIGPIPE that etcd then gets failed this script, now and then: exit 141.)
+"$etcd_bin" --version | awk 'NR == 1'
