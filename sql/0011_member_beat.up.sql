@@ -161,5 +161,27 @@ CREATE FUNCTION pgcoord.member_wait_reap(target integer) RETURNS text
     END
     $body$;
 
+-- schedule_tick (sql/schedule_queries.sql) for a scheduler that reads it on its member's
+-- main session, with a lock_timeout of its own: every statement of the member queues
+-- behind it, its heartbeat too (bounded by half a ttl), so it must not wait the
+-- session's 500 ms behind a lock an operator or a migration holds on the schedules'
+-- tables. A SET clause bounds the relation locks too, which a statement takes before it
+-- runs anything of its own. Past the bound the tick is read through the pool instead.
+CREATE FUNCTION pgcoord.schedule_tick_read()
+    RETURNS TABLE (now timestamptz, epoch bigint, names text[], ats timestamptz[],
+                   afters timestamptz[], untils timestamptz[])
+    LANGUAGE sql
+    SET search_path = pg_catalog, pgcoord, pg_temp
+    SET lock_timeout = '100ms'
+    AS $body$
+        SELECT pg_catalog.clock_timestamp(), e.epoch, o.*
+        FROM pgcoord.schedule_epoch AS e
+        CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
+                           pg_catalog.array_agg(o.at ORDER BY o.name, o.at),
+                           pg_catalog.array_agg(o.slot_after ORDER BY o.name, o.at),
+                           pg_catalog.array_agg(o.slot_until ORDER BY o.name, o.at)
+                    FROM pgcoord.schedule_owed AS o) AS o
+    $body$;
+
 COMMENT ON FUNCTION pgcoord.member_beat(integer, boolean) IS
     'pgcoord: a member''s heartbeat; its group''s sweep when it is the sweeper; the group as seen from the rows (JSON) when asked.';

@@ -16,6 +16,11 @@ CROSS JOIN (SELECT pg_catalog.array_agg(o.name ORDER BY o.name, o.at),
                    pg_catalog.array_agg(o.slot_until ORDER BY o.name, o.at)
             FROM pgcoord.schedule_owed AS o) AS o
 
+-- name: schedule_tick_on_member
+-- schedule_tick on a member's session: the same row, its lock waits bounded to 100 ms
+-- (pgcoord.schedule_tick_read, 0011).
+SELECT * FROM pgcoord.schedule_tick_read()
+
 -- name: schedule_load
 -- Every schedule this replica can run ($1: handlers registered with @sched.job;
 -- $2: the names it declared with @sched.cron), column by column, with the latest

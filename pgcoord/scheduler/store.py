@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._core import errmap as _errmap
+from .._core.aio import finish_despite_cancel
 from .._core.queries import query
 from .._drivers import driver_of, run_statement
 from ..errors import UnsupportedConnection
@@ -68,9 +69,18 @@ class Store:
         if member is not None and member.has_session:
             try:
                 with _errmap.schema_missing_raised():
-                    row = await member.session().fetchrow(query("schedule_tick"))
+                    # Not cut halfway by a stop: a statement cancelled mid-flight can
+                    # cost a shared session its life (psycopg), and with it every
+                    # feature on the member. It is short: its lock waits are bounded.
+                    row = await finish_despite_cancel(
+                        member.session().fetchrow(query("schedule_tick_on_member")))
             except SessionLost:
                 pass
+            except Exception as exc:
+                # Held up past its bound by a lock on the schedules' tables: the pool
+                # waits for it instead, and the member's other statements do not.
+                if _errmap.sqlstate(exc) != _errmap.SQLSTATE_LOCK_NOT_AVAILABLE:
+                    raise
             else:
                 assert row is not None
                 return row
