@@ -1,7 +1,8 @@
 """``Member``: a process's presence in the database, and crash news in milliseconds.
 
 A member is one dedicated *main* session that holds the member's alive lock
-(see ``sql/0004_members.up.sql``) and LISTENs for membership news. The server
+(see ``sql/0004_members.up.sql``) and, while something needs it, hears membership
+news: the members of one process share one listening session (``news_hub.py``). The server
 releases that lock the moment the session ends: the process died, the session
 was terminated, the server restarted, or the server itself ended a silent
 session (``idle_session_timeout``, 0.9 x ttl, after a pause or a partition).
@@ -55,6 +56,7 @@ from .info import (
     _info,
     _validate,
 )
+from .news_hub import NewsHub, hub_for
 from .ring import RingWatch
 from .session import MemberSession, SessionLost
 
@@ -90,6 +92,10 @@ class Member:
         self.meta: dict[str, Any] = json.loads(self._meta_json)
         self.application_name = (application_name or f"pgcoord-member:{self.name}")[:63]
         self._source = DsnSource(dsn, driver, keepalive=self.ttl)
+        self._dsn = dsn
+        #: Shared by this process's members of the same database (``news_hub.py``):
+        #: set at open(), in the running event loop.
+        self._hub = NewsHub()
         #: This member's id while joined; a new one after each rejoin.
         self.id: int | None = None
         self.joined_at: dt.datetime | None = None
@@ -130,6 +136,7 @@ class Member:
         if self._open:
             raise RuntimeError("this Member is already open")
         self._open = True
+        self._hub = hub_for(self._dsn)
         backoff = Backoff(first=0.05, cap=min(1.0, self.ttl / 3))
         try:
             while True:
@@ -193,6 +200,7 @@ class Member:
                 log.warning("member %r: leaving the group was cut short; closing the session", self.name)
 
     async def _drop_sessions(self) -> None:
+        self._hub.unregister(self)  # another member of the process carries the news
         for conn in (self._ring.session, self._main):
             if conn is not None:
                 with contextlib.suppress(Exception):
@@ -254,8 +262,11 @@ class Member:
                     "to heartbeat rows: departures are told within ttl + ttl/3, not at once",
                     self.name)
             elif self._needs_news():
-                # Before joining, so that no news after our join is missed.
-                await self._channels.listen_first(main, CHANNEL, self._on_notify)
+                # Before joining, so that no news after our join is missed: through
+                # the process's listening session, or on ours if nobody listens.
+                self._hub.register(self)
+                if self._hub.carries(self):
+                    await self._channels.listen_first(main, CHANNEL, self._hub.dispatch)
             with _errmap.schema_missing_raised():
                 try:
                     row = await main.fetchval(
@@ -280,6 +291,8 @@ class Member:
             raise
         self._lost = lost
         self._channels.new_session()
+        if CHANNEL in self._listening:
+            self._hub.listening(self)
         await self._refresh(initial=True)
         await self._listen_all()  # and no longer on membership news if not alone
         if not self.polling:
@@ -375,6 +388,7 @@ class Member:
                     log.error(message, self.name, exc, delay)
                 else:
                     readonly.retrying(log, exc, message, self.name, exc, delay, key=f"member:{id(self)}")
+            self._hub.unregister(self)  # at once: the process's other members need news now
             own_id = self.id
             if own_id is not None:
                 self._call_hooks(self._lost_hooks, own_id)
@@ -430,7 +444,7 @@ class Member:
             try:
                 # The group comes with the beat when nothing else tells us of it
                 # (not listening): one statement, and no pg_locks scan.
-                wanted = not self.polling and CHANNEL not in self._listening
+                wanted = not self.polling and not self._hears_news
                 async with asyncio.timeout(self.ttl / 2):
                     state = await self._call(query("member_beat"), self.id, wanted)
             except TimeoutError:
@@ -452,7 +466,7 @@ class Member:
                     await self._refresh()  # no NOTIFY behind a pooler: look
                 else:
                     await self._listen_all()  # LISTEN only while something needs news
-                    if CHANNEL not in self._listening:
+                    if not self._hears_news:
                         # No membership news: the ring, and the group for a later watch().
                         if wanted:
                             self._apply(json.loads(state), quiet=True)
@@ -513,7 +527,7 @@ class Member:
     async def _read_ring(self) -> None:
         """The ring read afresh, for a member that does not listen to membership news:
         members gone from it are told to the left hooks, and the watcher moves on."""
-        if CHANNEL not in self._listening and not self.polling:
+        if not self._hears_news and not self.polling:
             for member_id in await self._ring.read():
                 self._call_hooks(self._left_hooks, member_id)
 
@@ -558,6 +572,23 @@ class Member:
         """The channels LISTENed to on the current session."""
         return self._channels.listening
 
+    @property
+    def _hears_news(self) -> bool:
+        """Whether membership news reaches this member: through the process's
+        listening session (``news_hub.py``), perhaps its own."""
+        return self._hub.has(self)
+
+    # What the process's news hub asks of its members (``news_hub.NewsReader``).
+
+    def on_news(self, payload: str) -> None:
+        self._on_notify(payload)
+
+    def catch_up(self) -> None:
+        self._news.set()
+
+    def can_carry(self) -> bool:
+        return self._main is not None and not self._lost.is_set() and not self.polling
+
     async def _listen_all(self) -> None:
         """LISTEN on every channel needed now and not yet listened to on this session,
         and UNLISTEN those no longer needed (again until nothing is left to do, for
@@ -572,8 +603,13 @@ class Member:
                 if self._lost.is_set():
                     return  # the next session listens on what it needs when it joins
                 try:
-                    base = CHANNEL if self._needs_news() else None
-                    changed = await self._channels.step(main, base, self._on_notify)
+                    if self._needs_news():
+                        caught_up = self._hub.register(self) or caught_up
+                        base: str | None = CHANNEL if self._hub.carries(self) else None
+                    else:
+                        self._hub.unregister(self)
+                        base = None
+                    changed = await self._channels.step(main, base, self._hub.dispatch)
                 except Exception as exc:
                     if not _errmap.session_gone(exc):
                         mapped = _errmap.as_schema_missing(exc)
@@ -586,7 +622,9 @@ class Member:
                     return
                 if changed is None:
                     break
-                caught_up = caught_up or (changed == CHANNEL and CHANNEL in self._listening)
+                if changed == CHANNEL and CHANNEL in self._listening:
+                    caught_up = True
+                    self._hub.listening(self)
         if caught_up and self._joined.is_set():
             await self._refresh()  # what changed while the LISTEN was being set up
 
@@ -660,7 +698,7 @@ class Member:
         leaving (``crashed``), then joining again once we have rejoined.
         """
         subscription: Subscription[MemberChange] = Subscription(self._subscribers)
-        if self._joined.is_set() and CHANNEL not in self._listening:
+        if self._joined.is_set() and not self._hears_news:
             self._spawn(self._start_news(), f"pgcoord-member-listen:{self.name}")
         return subscription
 
