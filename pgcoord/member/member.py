@@ -254,6 +254,10 @@ class Member:
         lost = asyncio.Event()
         main = await self._open_session("")
         self._main = main
+        # The new session's event from now on: the last session's, set, would say this
+        # one cannot carry the process's news (``can_carry``), and the join would not
+        # listen before it joins.
+        self._lost = lost
         main.on_lost(lost.set)
         try:
             if self.polling:
@@ -289,7 +293,6 @@ class Member:
         except BaseException:
             await finish_despite_cancel(self._drop_sessions())
             raise
-        self._lost = lost
         self._channels.new_session()
         if CHANNEL in self._listening:
             self._hub.listening(self)
@@ -625,8 +628,10 @@ class Member:
                 if changed == CHANNEL and CHANNEL in self._listening:
                     caught_up = True
                     self._hub.listening(self)
-        if caught_up and self._joined.is_set():
-            await self._refresh()  # what changed while the LISTEN was being set up
+        if caught_up and self.id is not None:
+            # What changed while the LISTEN was being set up; during a join too, whose
+            # first read came before a LISTEN that the join could not make first.
+            await self._refresh()
 
     def _call_hooks(self, hooks: list[Callable[[int], None]], member_id: int) -> None:
         for hook in list(hooks):

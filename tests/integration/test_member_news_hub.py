@@ -57,16 +57,16 @@ class Watcher:
 
 @contextlib.asynccontextmanager
 async def fleet(dsn: str, watchers: int, others: int = 1,
-                trailing: int = 0) -> AsyncIterator[tuple[list[Watcher], list[pgcoord.Member]]]:
+                trailing: int = 0, ttl: float = 3.0) -> AsyncIterator[tuple[list[Watcher], list[pgcoord.Member]]]:
     """``watchers`` members that watch, and ``others`` that do not (victims), in one
     group; ``trailing`` more that do not watch join last (the ring is ordered by id,
     so the last one watches the first)."""
     g = f"hub-{uuid.uuid4().hex[:6]}"
     async with contextlib.AsyncExitStack() as stack:
-        plain = [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=3.0)) for _ in range(others)]
-        members = [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=3.0))
+        plain = [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=ttl)) for _ in range(others)]
+        members = [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=ttl))
                    for _ in range(watchers)]
-        plain += [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=3.0)) for _ in range(trailing)]
+        plain += [await stack.enter_async_context(pgcoord.Member(dsn, group=g, ttl=ttl)) for _ in range(trailing)]
         watching = [Watcher(m) for m in members]
         try:
             await until(lambda: all(m._hears_news for m in members)
@@ -142,7 +142,10 @@ async def test_news_sent_while_nobody_carries_them_are_caught_up(own_dsn: str) -
     nobody in the process; once the new carrier listens, every member reads the group
     afresh and is told. (The victim's watcher, which tells its own member at once, is
     not one of the watching members: a member that joins after them.)"""
-    async with fleet(own_dsn, watchers=3, trailing=1) as (watching, (victim, _)):
+    # A long ttl: the next carrier's LISTEN waits 500 ms (its session's lock_timeout)
+    # at each try, and its heartbeat queues behind; a short ttl's bound on that
+    # heartbeat ended its session on a loaded host, and another member carried.
+    async with fleet(own_dsn, watchers=3, trailing=1, ttl=10.0) as (watching, (victim, _)):
         (carrier,) = carriers(watching)
         others = [w for w in watching if w.member is not carrier]
         with psycopg.connect(own_dsn, autocommit=True) as register:
