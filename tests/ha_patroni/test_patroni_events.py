@@ -37,6 +37,7 @@ import pytest
 
 import pgcoord
 import pgcoord.migrations
+from pgcoord._core import readonly
 
 from ..integration.ha import Event, Fleet
 from .patroni import PatroniCluster
@@ -270,14 +271,14 @@ def test_partitions_are_owned_again(run: Run, event: str) -> None:
             assert int(owns[-1].fence) > max(int(e.fence) for e in ends)
 
 
-def _logs(run: Run, outcome: Outcome, label: str) -> list[tuple[float, str, str]]:
-    """(time, level, message) of a replica's pgcoord log lines in the event's window
-    (not its drivers': psycopg_pool logs each failed connect of its own)."""
+def _logs(run: Run, outcome: Outcome, label: str, until: float) -> list[tuple[float, str, str]]:
+    """(time, level, message) of a replica's pgcoord log lines from the event's start
+    to ``until`` (not its drivers': psycopg_pool logs each failed connect of its own)."""
     found = []
     for line in run.fleet.lines[label]:
         if line.startswith("LOG "):
             _, at, name, level, message = line.split(" ", 4)
-            if name.startswith("pgcoord") and outcome.started <= float(at) <= outcome.ended:
+            if name.startswith("pgcoord") and outcome.started <= float(at) <= until:
                 found.append((float(at), level, message))
     return found
 
@@ -292,16 +293,21 @@ def test_a_read_only_primary_is_said_once_not_once_a_retry(run: Run) -> None:
     # outage: every loop of every replica fails meanwhile, and each process says so
     # once, then once that writes are accepted again.
     outcome = _outcome(run, "dcs-loss")
+    # "Writes again" may come after every feature is back: a process holds it for
+    # ONCE_GRACE after its last read-only failure that no loop owns (an elector's
+    # campaign), since another loop's success on a session of its own proves nothing
+    # about the connection that failed. So the window runs past that grace, with room
+    # for the next renewal or tick to say it. The next event (failsafe) keeps the
+    # primary writable, so a notice of its own in this window would be a defect too.
+    until = outcome.ended + readonly.ONCE_GRACE + 15
+    time.sleep(max(0.0, until - time.time()))  # the replicas log on: lines come in live
     for label in run.fleet.procs:
-        logs = _logs(run, outcome, label)
-        notices = [m for _, _, m in logs if m.startswith(NO_WRITES)]
-        again = [m for _, _, m in logs if m.startswith(WRITES_AGAIN)]
+        logs = _logs(run, outcome, label, until)
+        notices = [at for at, _, m in logs if m.startswith(NO_WRITES)]
+        again = [at for at, _, m in logs if m.startswith(WRITES_AGAIN)]
         noisy = [m for _, _, m in logs
                  if not m.startswith(NO_WRITES) and any(s in m for s in READ_ONLY_SIGNS)]
-        assert len(notices) == 1, f"{label}: {notices}"
-        # Never a flapping pair. "Writes again" is owed once too, but one CI run of
-        # the sqlalchemy replica did not say it within the window (a loop that met the
-        # state without saying when it wrote again): an open defect of the notice, not
-        # of the guarantee, which the other tests of this event check (leaders, slots).
-        assert len(again) <= 1, f"{label}: {logs}"
+        assert len(notices) == 1, f"{label}: {logs}"
+        assert len(again) == 1 and again[0] > notices[0], f"{label}: {logs}"
         assert noisy == [], f"{label}: read-only retries logged one by one: {noisy[:5]}"
+
