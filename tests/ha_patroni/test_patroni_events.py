@@ -28,11 +28,13 @@ write accepted); no slot started twice; every slot is settled; partitions owned 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import pytest
 
 import pgcoord
@@ -62,6 +64,10 @@ class Outcome:
     writable: float = 0.0  # unix time a primary took writes again
     ended: float = 0.0  # unix time every feature was seen back
     before: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # A DCS loss's probes of each node, about once a second while etcd is down:
+    # (unix time, {node: (in recovery, sessions ever opened on it) or None: no answer}).
+    probes: list[tuple[float, dict[str, tuple[bool, int] | None]]] = field(default_factory=list)
+    outage: tuple[float, float] = (0.0, 0.0)  # unix times etcd stopped and started again
     after: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
 
@@ -104,15 +110,39 @@ def _lock_names(fleet: Fleet) -> list[str]:
     return [f"{fleet.prefix}:{kind}:{label}" for label in fleet.procs for kind in ("lock", "mlock")]
 
 
-def _event(cluster: PatroniCluster, name: str) -> None:
-    if name == "switchover":
+def _node_state(dsn: str) -> tuple[bool, int] | None:
+    """(in recovery, sessions opened since its stats began) of one node, or None."""
+    with contextlib.suppress(psycopg.Error), \
+            psycopg.connect(dsn, autocommit=True, connect_timeout=1) as conn:
+        row = conn.execute("select pg_is_in_recovery(),"
+                           " (select coalesce(sum(sessions), 0) from pg_stat_database)").fetchone()
+        if row is not None:
+            return bool(row[0]), int(row[1])
+    return None
+
+
+def _outage(cluster: PatroniCluster, outcome: Outcome) -> None:
+    """etcd down for OUTAGE seconds, each node probed about once a second meanwhile:
+    one connection per node and probe, so that what the replicas open can be told
+    from what the probes do."""
+    stopped = time.time()
+    cluster.stop_etcd()
+    while time.time() < stopped + OUTAGE:
+        outcome.probes.append((time.time(), {n.name: _node_state(n.dsn) for n in cluster.nodes}))
+        time.sleep(max(0.0, min(1.0, stopped + OUTAGE - time.time())))
+    cluster.start_etcd()
+    outcome.outage = (stopped, time.time())
+
+
+def _event(cluster: PatroniCluster, outcome: Outcome) -> None:
+    if outcome.name == "switchover":
         cluster.switchover()
-    elif name == "sigkill":
+    elif outcome.name == "sigkill":
         cluster.kill_primary()
-    elif name == "agent-kill":
+    elif outcome.name == "agent-kill":
         cluster.kill_primary_agent(down=5)
     else:
-        cluster.etcd_outage(OUTAGE)
+        _outage(cluster, outcome)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +168,7 @@ def run() -> Iterator[Run]:
                 try:
                     outcome.before = fleet.states()
                     outcome.started = time.time()
-                    _event(cluster, name)
+                    _event(cluster, outcome)
                     cluster.wait_writable(timeout=60, poll=0.02)
                     outcome.writable = time.time()
                     _wait_all_back(fleet, cluster, outcome, timeout=60)
@@ -206,6 +236,8 @@ def test_one_leader_again_with_a_greater_fence(run: Run, event: str, feature: st
     new_terms = [e for e in _window(run, outcome) if e.name == name and e.what == "lead"]
     if CUTS_SESSIONS[event]:
         assert new_terms, f"{name}: no new term after {event}"
+    else:  # the primary went on and every session with it: the term too
+        assert new_terms == [] and fence_after == fence_before, (new_terms, fence_before, fence_after)
     assert fence_after >= fence_before
     for term in new_terms:
         assert int(term.fence) > fence_before
@@ -227,6 +259,9 @@ def test_fences_only_grow_in_commit_order(run: Run, event: str) -> None:
         ts = [at.timestamp() for _, at in rows]
         assert any(t < outcome.started for t in ts) and any(t > outcome.writable for t in ts), \
             f"{name}: fenced writes on both sides of {event}"
+        if not CUTS_SESSIONS[event]:  # no session cut: every write still under the fence it had
+            held = {int(f) for f, at in rows if outcome.started <= at.timestamp() <= outcome.ended}
+            assert held == {fences[sum(t < outcome.started for t in ts) - 1]}, f"{name}: {held}"
     rejected = [e for e in run.events if e.what == "rejected"]
     # A rejected write is a stale fence caught by check_fence: it is fine, and was not
     # accepted (the ordering above); its fence was less than the current one.
@@ -310,4 +345,24 @@ def test_a_read_only_primary_is_said_once_not_once_a_retry(run: Run) -> None:
         assert len(notices) == 1, f"{label}: {logs}"
         assert len(again) == 1 and again[0] > notices[0], f"{label}: {logs}"
         assert noisy == [], f"{label}: read-only retries logged one by one: {noisy[:5]}"
+
+
+def test_failsafe_keeps_the_primary_writable_through_the_outage(run: Run) -> None:
+    # Without failsafe the primary is demoted some seconds into the outage (the next
+    # test sees it); with it, the same primary answers every probe and every fenced
+    # writer goes on writing, under the fence it had, until etcd is back.
+    outcome = _outcome(run, "dcs-loss-failsafe")
+    stopped, restarted = outcome.outage
+    assert len(outcome.probes) >= OUTAGE / 2, outcome.probes
+    primaries = [{n for n, state in states.items() if state is not None and not state[0]}
+                 for _, states in outcome.probes]
+    assert all(p == primaries[0] and len(p) == 1 for p in primaries), outcome.probes
+    for feature in ("elector", "lease", "mlease"):
+        name = run.fleet.name(feature)
+        ts = [at.timestamp() for (at,) in run.fleet.query(
+            "select at from ha_writes where name = %s and at between to_timestamp(%s) and to_timestamp(%s)"
+            " order by id", name, stopped, restarted)]
+        # A write every 20 ms: a gap of seconds would be a demotion or a lost holder.
+        gaps = [b - a for a, b in zip([stopped, *ts], [*ts, restarted], strict=True)]
+        assert ts and max(gaps) < 5, f"{name}: {len(ts)} writes in the outage, longest gap {max(gaps):.1f}s"
 
