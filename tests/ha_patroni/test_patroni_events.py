@@ -52,6 +52,10 @@ EVENTS = ("switchover", "sigkill", "dcs-loss", "dcs-loss-failsafe", "agent-kill"
 CUTS_SESSIONS = {"switchover": True, "sigkill": True, "dcs-loss": True, "dcs-loss-failsafe": False,
                  "agent-kill": False}
 PARTS = 4
+# Sessions a second that one replica process may open on the servers while no node
+# takes writes: its loops back off (capped near ttl / 3); with no back-off a single
+# loop would open hundreds.
+RETRY_BOUND = 60
 # The first test's setup runs the four events (about two minutes; the suite's 120 s
 # limit is for one test): a bound of its own, generous.
 pytestmark = pytest.mark.timeout(420)
@@ -366,3 +370,30 @@ def test_failsafe_keeps_the_primary_writable_through_the_outage(run: Run) -> Non
         gaps = [b - a for a, b in zip([stopped, *ts], [*ts, restarted], strict=True)]
         assert ts and max(gaps) < 5, f"{name}: {len(ts)} writes in the outage, longest gap {max(gaps):.1f}s"
 
+
+def test_backs_off_while_a_demoted_primary_is_read_only(run: Run) -> None:
+    # What the servers see of the replicas' retries while no node takes writes: the
+    # sessions opened on either node (pg_stat_database), less the probes' own. Each
+    # replica's loops back off (capped near ttl / 3), so a few dozen a second for the
+    # three; one loop retrying with no back-off opens hundreds.
+    outcome = _outcome(run, "dcs-loss")
+    spells: list[list[tuple[float, dict[str, tuple[bool, int]]]]] = [[]]
+    for at, states in outcome.probes:
+        answered = {n: s for n, s in states.items() if s is not None}
+        steady = len(answered) == len(states) and all(s[0] for s in answered.values())
+        if steady and spells[-1] and any(s[1] < spells[-1][-1][1][n][1] for n, s in answered.items()):
+            spells.append([])  # a node restarted: its counter began again
+        if steady:
+            spells[-1].append((at, answered))
+        elif spells[-1]:
+            spells.append([])
+    spell = max(spells, key=len)
+    # The premise: Patroni demoted the primary, for a good part of the outage.
+    assert len(spell) >= 4 and spell[-1][0] - spell[0][0] >= 3, outcome.probes
+    (t0, first), (t1, last) = spell[0], spell[-1]
+    probes = len(first) * (len(spell) - 1)
+    opened = sum(last[n][1] - first[n][1] for n in first) - probes
+    per_second = opened / (t1 - t0) / len(run.fleet.procs)
+    assert opened > 0, (spell, "the replicas did not retry at all")
+    assert per_second < RETRY_BOUND, (
+        f"{per_second:.1f} sessions a second per replica process over {t1 - t0:.1f}s of read-only")
