@@ -88,7 +88,6 @@ class Run:
 
 def _wait_all_back(fleet: Fleet, cluster: PatroniCluster, outcome: Outcome, timeout: float) -> None:
     """Until every feature has shown life after the event, then the replicas' states."""
-    after = outcome.started
     fleet.wait_for("slot", fleet.name("job"), after=outcome.writable, count=3, timeout=timeout)
     deadline = time.monotonic() + timeout
     while True:
@@ -98,8 +97,11 @@ def _wait_all_back(fleet: Fleet, cluster: PatroniCluster, outcome: Outcome, time
         parts = sorted(p for s in states.values() for p in s["parts"])
         locks = {k for s in states.values() for k in s["locks"]}
         leased = [s["lease"] for s in states.values() if s["lease"] is not None]
+        # Written since a primary took writes again: a write from before the demotion
+        # said nothing of the writer's pool, and the next event then began while the
+        # elector's first write of its new term was still pending.
         written = {name for (name,) in fleet.query(
-            "select distinct name from ha_writes where at > to_timestamp(%s)", after)}
+            "select distinct name from ha_writes where at > to_timestamp(%s)", outcome.writable)}
         if (all(len(v) == 1 for v in leaders.values()) and parts == list(range(PARTS))
                 and locks == set(_lock_names(fleet)) and len(leased) == 1
                 and written >= {fleet.name(f) for f in ("elector", "lease", "mlease")}):
