@@ -104,9 +104,7 @@ def patroni_runs(runs: int, ttl: float) -> dict[str, list[dict[str, float]]]:
                     t0, writable = _event(cluster, event)
                     took = {"writable": writable - t0}
                     elector, lease = fleet.name("elector"), fleet.name("lease")
-                    if event == "dcs-loss-failsafe":  # nothing stops: the primary stays writable
-                        time.sleep(20)
-                        cluster.start_etcd()
+                    if event == "dcs-loss-failsafe":  # etcd is back: nothing should have stopped
                         leads = [e for e in fleet.events("lead", elector) if e.at > t0]
                         took["leader"] = leads[0].at - t0 if leads else 0.0
                         resumed = [e for e in fleet.events("resumed") if e.at > t0
@@ -126,6 +124,23 @@ def patroni_runs(runs: int, ttl: float) -> dict[str, list[dict[str, float]]]:
         finally:
             fleet.stop()
     return found
+
+
+def _takes_a_write(cluster: object) -> bool:
+    import psycopg
+
+    from tests.ha_patroni.patroni import PatroniCluster
+
+    assert isinstance(cluster, PatroniCluster)
+    node = cluster.writable()
+    if node is None:
+        return False
+    try:
+        with psycopg.connect(node.dsn, autocommit=True, connect_timeout=1) as conn:
+            conn.execute("create temporary table pgcoord_probe (x int)")
+        return True
+    except psycopg.Error:
+        return False
 
 
 def _event(cluster: object, event: str) -> tuple[float, float]:
@@ -148,7 +163,19 @@ def _event(cluster: object, event: str) -> tuple[float, float]:
         return t0, writable
     cluster.stop_etcd()
     if event == "dcs-loss-failsafe":
-        return t0, t0  # it never stops taking writes (the tests check it)
+        # Failsafe should keep the primary writable: "writable" is then the longest
+        # the outage went without a write accepted, from its start (a demotion
+        # would show here as seconds, not be assumed away).
+        accepted, longest, took = t0, 0.0, False
+        while time.time() - t0 < 20:
+            if took := _takes_a_write(cluster):
+                longest, accepted = max(longest, time.time() - accepted), time.time()
+            time.sleep(0.05)
+        cluster.start_etcd()
+        if not took:  # not writable when etcd came back: until a primary is
+            cluster.wait_writable(timeout=90, poll=0.01)
+            longest = max(longest, time.time() - accepted)
+        return t0, t0 + longest
     while cluster.writable() is not None and time.time() - t0 < 20:
         time.sleep(0.05)
     time.sleep(max(0.0, 20 - (time.time() - t0)))

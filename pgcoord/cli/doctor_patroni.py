@@ -2,8 +2,9 @@
 
 Patroni's REST API (``/cluster``, ``/config``) is read with the standard library: no
 dependency for one optional check. The verdicts are pure functions of what it
-answered, tested on their own (tests/unit/test_doctor_patroni.py) and against a real
-cluster configured to earn each (tests/ha_patroni/test_patroni_doctor.py):
+answered, tested against a real cluster configured to earn each
+(tests/ha_patroni/test_patroni_doctor.py) and against REST APIs that answer badly
+(tests/integration/test_doctor_patroni_rest.py):
 
 * ``patroni``: ``synchronous_mode`` off → warn: a failover may promote a standby that
   lacks the last commits, the last fence among them, so a fence can go back;

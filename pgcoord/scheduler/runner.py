@@ -296,8 +296,10 @@ class SlotRunner:
                         " the claim expires", spec.name, slot.at, outcome, CLEANUP_TIMEOUT)
             return None
         except Exception as exc:
-            log.warning("job %r slot %s: could not record %s: %r; the claim expires",
-                        spec.name, slot.at, outcome, exc)
+            # Through the notice: a demoted primary fails the record of every slot
+            # that was running, and it is the read-only state the operator needs told.
+            readonly.retrying(log, exc, "job %r slot %s: could not record %s: %r; the claim expires",
+                              spec.name, slot.at, outcome, exc)
             return None
         if not recorded:
             log.warning("job %r slot %s attempt %d was taken over; its %s is not recorded",
