@@ -434,14 +434,15 @@ async def test_one_sampler_serves_every_open_page_and_stops_after_the_last(dsn: 
     dashboard = pgcoord.web.app(dsn)
     with serve(dashboard) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            opened = [asyncio.Event() for _ in range(20)]
+            # DESIGN §12's figure: 50 open pages cost one sampler.
+            opened = [asyncio.Event() for _ in range(50)]
             streams = [asyncio.create_task(_sse_versions(client, [], o)) for o in opened]
             try:
-                async with asyncio.timeout(10):
+                async with asyncio.timeout(20):
                     for o in opened:
                         await o.wait()
                 sampler = dashboard.state.pgcoord_dashboard.latest.sampler
-                assert sampler.listeners == 20 and sampler.loops_started == 1
+                assert sampler.listeners == 50 and sampler.loops_started == 1
                 before = sampler.readings
                 await asyncio.sleep(3.0)
                 # about one reading a second, whatever the number of open pages
@@ -772,3 +773,87 @@ async def test_the_csrf_cookie_is_secure_when_the_page_came_over_https(dsn: str)
                 assert ("; secure" in cookie.lower()) is secure, cookie
     finally:
         await pgcoord.web.aclose(dashboard)
+
+
+_DOOMED_MEMBER = """
+import asyncio, sys
+import pgcoord
+
+async def main(dsn, group, name):
+    async with pgcoord.Member(dsn, group=group, name=name, ttl=30.0):
+        print("JOINED", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:4]))
+"""
+
+
+async def _next_version(versions: list[str], within: float) -> float:
+    """Seconds until an open stream's next event (the page's content changed)."""
+    loop = asyncio.get_running_loop()
+    first, started = len(versions), loop.time()
+    async with asyncio.timeout(within):
+        while len(versions) == first:
+            await asyncio.sleep(0.02)
+    return loop.time() - started
+
+
+async def test_a_member_gone_and_a_slot_started_reach_an_open_stream_within_two_seconds(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """DESIGN §12's other live changes: a member whose process is SIGKILLed leaves the
+    members page, and a slot that starts shows as running, each within 2 s of it,
+    without a reload."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    group, name = unique("web-group"), unique("doomed")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_MEMBER, dsn, group, name],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    job, release = unique("web-slot"), asyncio.Event()
+    scheduler = pgcoord.Scheduler(pool)
+
+    @scheduler.cron(job, "0 0 1 1 *")
+    async def handler(slot: Any) -> None:
+        await release.wait()
+
+    trigger: asyncio.Task[Any] | None = None
+    try:
+        assert proc.stdout is not None
+        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "JOINED"
+        with serve(pgcoord.web.app(dsn)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                versions: list[str] = []
+                stream = asyncio.create_task(_sse_versions(client, versions, asyncio.Event()))
+                try:
+                    async with asyncio.timeout(5):
+                        while not versions:
+                            await asyncio.sleep(0.02)
+                    members = await client.get("/members", headers={"X-Pgcoord-Fragment": "1"})
+                    assert name in members.text
+                    await asyncio.sleep(1.2)  # past the first readings: only news from here
+
+                    proc.send_signal(signal.SIGKILL)
+                    assert await _next_version(versions, 2.0) < 2.0
+                    members = await client.get("/members", headers={"X-Pgcoord-Fragment": "1"})
+                    assert name not in members.text
+                    await asyncio.sleep(1.2)
+
+                    trigger = asyncio.create_task(scheduler.trigger(job))
+                    assert await _next_version(versions, 2.0) < 2.0
+                    page = await client.get(f"/schedules/{quote(job, safe='')}",
+                                            headers={"X-Pgcoord-Fragment": "1"})
+                    assert page.status_code == 200 and "running" in page.text
+                finally:
+                    stream.cancel()
+                    await asyncio.gather(stream, return_exceptions=True)
+    finally:
+        release.set()
+        if trigger is not None:
+            await asyncio.wait_for(asyncio.gather(trigger, return_exceptions=True), 10)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
