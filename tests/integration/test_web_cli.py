@@ -159,3 +159,30 @@ def test_worker_processes_sharing_pgcoord_web_secret_accept_each_others_forms(ds
                             cookies={"pgcoord_csrf": page.cookies["pgcoord_csrf"]})
             assert r.status_code == status, r.text
     assert sql(dsn, "select paused from pgcoord.schedules where name = %s", job) == [(True,)]
+
+
+def _reachable_address() -> str | None:
+    """One of this host's non-loopback IPv4 addresses, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+        except OSError:
+            return None
+        address = str(s.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+def test_it_listens_on_loopback_only_unless_told_and_a_public_read_only_one_needs_no_auth(dsn: str) -> None:
+    address = _reachable_address()
+    with running("--dsn", dsn) as url:
+        assert httpx.get(url + "/").status_code == 200
+        if address is not None:  # the same port on the host's own address: not served
+            port = url.rsplit(":", 1)[1]
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"http://{address}:{port}/", timeout=2)
+    # A public address with --read-only and no basic auth: DESIGN §12 lets it start.
+    with running("--dsn", dsn, "--host", "0.0.0.0", "--read-only") as url:
+        assert httpx.get(url + "/").status_code == 200
+        if address is not None:
+            port = url.rsplit(":", 1)[1]
+            assert httpx.get(f"http://{address}:{port}/", timeout=5).status_code == 200
