@@ -101,6 +101,14 @@ SELECT pg_catalog.pg_sleep($1) /* pgcoord:member_idle */
 SELECT coalesce(pg_catalog.json_agg(l.id ORDER BY l.id), '[]')::text
 FROM pgcoord.members AS l WHERE l.has_session
 
+-- name: member_left_reasons
+-- Why the members $1 (an array of ids) are gone, as their rows say: a watcher that
+-- found its target marked by another watcher tells its own member the row's reason
+-- (a crash is not a goodbye). A JSON object id -> reason; a row already swept is absent.
+SELECT coalesce(pg_catalog.json_object_agg(m.id, m.left_reason), '{}')::text
+FROM pgcoord.member_sessions AS m
+WHERE m.id = ANY (CAST($1 AS integer[])) AND m.left_at IS NOT NULL
+
 -- name: member_settle
 -- After the members $1 (an array of ids) were found dead: wake the candidates of the leases its session
 -- held (cancel the waits of the sessions holding their candidacy locks: see

@@ -274,8 +274,19 @@ class RingWatch:
         except Exception as exc:  # e.g. a lock_timeout: its claims still expire
             log.warning("member %r: settling member %d's death failed: %r", self._name, target, exc)
             dead = {target: None}
-        # Move on past the dead at once. No reason: it said goodbye, and that news is
-        # still on its way to us.
+        unknown = sorted(i for i, why in dead.items() if why is None and i in self.ids)
+        if unknown:
+            # Marked by someone else (another watcher's reap, a sweep, its own goodbye):
+            # the row says why. Guessing "left" told a crash as a goodbye whenever our
+            # own news of it had not come first.
+            try:
+                dead.update({int(i): why for i, why in
+                             json.loads(await self._call(query("member_left_reasons"), unknown)).items()})
+            except SessionLost:
+                raise
+            except Exception as exc:
+                log.warning("member %r: reading why members %s left failed: %r", self._name, unknown, exc)
+        # Move on past the dead at once.
         for member_id, reason in dead.items():
             if member_id in self.ids:
                 self._told_dead(member_id, reason or "left")
