@@ -113,7 +113,10 @@ WHERE m.id = ANY (CAST($1 AS integer[])) AND m.left_at IS NOT NULL
 -- After the members $1 (an array of ids) were found dead: wake the candidates of the leases its session
 -- held (cancel the waits of the sessions holding their candidacy locks: see
 -- pgcoord/member/ring.py), and expire its running job claims, so that neither
--- waits for a broadcast. Returns how many sessions were woken.
+-- waits for a broadcast. Returns how many sessions were woken. The lock table is
+-- read only if the dead held a lease: a crash's settle runs on every watcher that
+-- found a death, just as the crash's NOTIFY is being delivered, and most members hold
+-- none.
 WITH arg AS (SELECT CAST($1 AS integer[]) AS ids), dead AS (
     SELECT m.pid FROM pgcoord.member_sessions AS m, arg
     WHERE m.id = ANY (arg.ids) AND m.left_at IS NOT NULL
@@ -124,7 +127,8 @@ WITH arg AS (SELECT CAST($1 AS integer[]) AS ids), dead AS (
     SELECT pg_catalog.pg_cancel_backend(l.pid) AS ok
     FROM pg_catalog.pg_locks AS l
     JOIN keys AS k ON ((l.classid::bigint << 32) | l.objid::bigint) = k.key
-    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
+    WHERE EXISTS (SELECT 1 FROM keys)
+      AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ShareLock'
       AND l.pid <> pg_catalog.pg_backend_pid()
       AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
                         WHERE d.datname = pg_catalog.current_database())

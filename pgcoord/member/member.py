@@ -513,19 +513,20 @@ class Member:
             # reaped together come in one NOTIFY ("ids": [[id, reason], ...]).
             together = news.get("ids") or [[member_id, news.get("reason")]]
             for gone_id, reason in together:
-                self._forget(int(gone_id), str(reason or "crashed"))
+                self._forget(int(gone_id), str(reason or "crashed"), retarget=False)
+            self._ring.retarget()  # once for them all
         else:
             self._news.set()
 
-    def _forget(self, member_id: int, reason: str) -> None:
+    def _forget(self, member_id: int, reason: str, *, retarget: bool = True) -> None:
         """Member ``member_id`` (of any group) is gone: tell who needs to know."""
-        if member_id in self._ring.ids:
-            self._ring.ids.remove(member_id)
+        self._ring.drop(member_id)
         self._call_hooks(self._left_hooks, member_id)
         gone = self._view.pop(member_id, None)
         if gone is not None:
             self._emit(MemberLeft(gone, _as_reason(reason)))
-        self._ring.retarget()
+        if retarget:
+            self._ring.retarget()
 
     async def _read_ring(self) -> None:
         """The ring read afresh, for a member that does not listen to membership news:

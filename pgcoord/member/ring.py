@@ -26,6 +26,7 @@ next third of a ttl, as before.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -70,8 +71,7 @@ class RingWatch:
         self._call = call
         self._spawn = spawn
         self._told_dead = told_dead
-        #: Ids of every live member of every group, in ring order.
-        self.ids: list[int] = []
+        self._ids: list[int] = []
         self._session: HolderConnection | None = None
         self._session_lost = False
         self._target: int | None = None
@@ -86,6 +86,26 @@ class RingWatch:
         self._taken: set[int] = set()  # candidacy locks held on the current session
         #: Set when the ring was read afresh by the watcher itself (see ``fresh_ring``).
         self.fresh_ring: Callable[[], Awaitable[None]] | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        """Ids of every live member of every group, in ring order (ascending)."""
+        return self._ids
+
+    @ids.setter
+    def ids(self, ids: list[int]) -> None:
+        # Kept sorted, so that finding the successor is a bisection: a crash told to a
+        # process's members is looked up once per member and death, with thousands of
+        # ids in the ring.
+        self._ids = sorted(ids)
+
+    def drop(self, member_id: int) -> bool:
+        """Take ``member_id`` out of the ring; False if it was not in it."""
+        at = bisect.bisect_left(self._ids, member_id)
+        if at < len(self._ids) and self._ids[at] == member_id:
+            del self._ids[at]
+            return True
+        return False
 
     @property
     def session(self) -> HolderConnection | None:
@@ -132,11 +152,14 @@ class RingWatch:
             self._spawn(self._cancel_wait(), f"pgcoord-member-retarget:{self._name}")
 
     def successor(self) -> int | None:
-        own = self._own_id()
-        others = [i for i in self.ids if i != own]
-        if not others or own is None:
+        """The next live member after ours in id order, wrapping round; None alone."""
+        own, ids = self._own_id(), self._ids
+        if own is None or not ids:
             return None
-        return next((i for i in others if i > own), others[0])
+        at = bisect.bisect_right(ids, own)
+        if at < len(ids):
+            return ids[at]
+        return ids[0] if ids[0] != own else None
 
     def retarget(self, *, stands: bool = True) -> None:
         """Move a watcher blocked on a target that is no longer our successor, or (with
