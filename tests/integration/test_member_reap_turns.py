@@ -35,17 +35,17 @@ async def dead_members(dsn: str, group: str, names: list[str]) -> dict[str, int]
         for name in names:  # all joined before any session ends: a join reaps the dead
             sessions.append(conn := await asyncpg.connect(dsn))
             ids[name] = await conn.fetchval(
-                "SELECT id FROM pgcoord.member_join_from($1, $2, '{}'::jsonb, 30000, 'test', true, 'test-host:1')",
-                group, name)
+                "SELECT id FROM pgcoord.member_join_from($1, $2, '{}'::jsonb, 30000, 'test', true, $3)",
+                group, name, "test-host:1")
     finally:
         for conn in sessions:
             await conn.close()
     return ids
 
 
-async def blocked_by(conn: asyncpg.Connection, pid: int, timeout: float = 5.0) -> list[int]:
-    """The sessions ``pid`` waits for, once it waits for any."""
-    deadline = time.monotonic() + timeout
+async def blocked_by(conn: asyncpg.Connection, pid: int) -> list[int]:
+    """The sessions ``pid`` waits for, once it waits for any (within 5 s)."""
+    deadline = time.monotonic() + 5
     while True:
         blockers = await conn.fetchval("SELECT pg_catalog.pg_blocking_pids($1)", pid)
         if blockers:
@@ -61,7 +61,8 @@ async def test_two_reapers_scanning_in_crossed_orders_take_turns(own_db: str) ->
     # A new version of a's row goes behind b's: a sequential scan meets b first, while
     # an index scan (by name, or by id) meets a first.
     sql(dsn, "UPDATE pgcoord.member_sessions SET ttl_ms = ttl_ms WHERE id = %s", ids["a"])
-    heap = [r[0] for r in sql(dsn, 'SELECT id FROM pgcoord.member_sessions WHERE "group" = %s ORDER BY ctid', group)]
+    heap = [r[0] for r in sql(
+        dsn, 'SELECT id FROM pgcoord.member_sessions WHERE "group" = %s ORDER BY ctid', group)]
     assert heap == [ids["b"], ids["a"]]
 
     look = await asyncpg.connect(dsn)
