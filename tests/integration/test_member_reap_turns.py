@@ -69,6 +69,8 @@ async def test_two_reapers_scanning_in_crossed_orders_take_turns(own_db: str) ->
     hold_a, hold_b = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
     by_heap, by_index = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
     try:
+        for conn in (hold_a, hold_b, by_heap, by_index):  # the test orders the waits itself
+            await conn.execute("SET lock_timeout = 0; SET statement_timeout = 0")
         await by_heap.execute("SET enable_indexscan = off; SET enable_bitmapscan = off; "
                               "SET enable_indexonlyscan = off")
         await by_index.execute("SET enable_seqscan = off; SET enable_bitmapscan = off")
