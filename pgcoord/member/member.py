@@ -198,6 +198,12 @@ class Member:
                 # effort: the session is closed next, and its end frees the alive lock
                 # (the others are told the member crashed rather than left).
                 log.warning("member %r: leaving the group was cut short; closing the session", self.name)
+            except SessionLost:
+                pass  # its end frees the alive lock: the others are told it crashed
+            except Exception as exc:
+                # Its row stays unmarked until the session's end is found: the others
+                # are told it crashed, not that it left.
+                log.warning("member %r: saying goodbye failed (%r); closing the session", self.name, exc)
 
     async def _drop_sessions(self) -> None:
         self._hub.unregister(self)  # another member of the process carries the news
