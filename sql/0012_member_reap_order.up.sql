@@ -14,8 +14,9 @@
 -- one row by its key, and waits for nobody else's order.
 --
 -- A sweep that cannot lock a dead row (held by an operator past lock_timeout, or a
--- deadlock with a sessionless member's own beat) used to roll back the whole heartbeat:
--- a sessionless member could be declared dead by its own sweep's failure.
+-- deadlock with a sessionless member's own beat) used to roll back the whole heartbeat,
+-- after up to the main session's 500 ms: a member with a short ttl lost its session to
+-- its own sweep's wait. The sweep now gives up after 100 ms, and only the sweep.
 
 CREATE OR REPLACE FUNCTION pgcoord.member_reap_dead() RETURNS text
     LANGUAGE plpgsql
@@ -102,6 +103,7 @@ CREATE OR REPLACE FUNCTION pgcoord.member_beat(member_id integer, want_state boo
         grp text;
         own_ttl integer;
         own_session boolean;
+        saved_lock_timeout text;
     BEGIN
         UPDATE pgcoord.member_sessions SET heartbeat_at = pg_catalog.clock_timestamp()
         WHERE id = member_id AND left_at IS NULL
@@ -125,14 +127,18 @@ CREATE OR REPLACE FUNCTION pgcoord.member_beat(member_id integer, want_state boo
             PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);
         ELSE
             -- The sweep may wait for a dead row someone else holds (an operator's
-            -- transaction, past the session's lock_timeout; or a deadlock with a
-            -- sessionless member's beat): then only the sweep is undone. The beat
-            -- stands, and the next one sweeps again.
+            -- transaction; a deadlock with a sessionless member's beat): then only the
+            -- sweep is undone, after 100 ms at most (a reaper holds the rows it marks
+            -- for milliseconds). The beat stands, well inside its own bound of half a
+            -- ttl, and the next one sweeps again.
+            saved_lock_timeout := pg_catalog.current_setting('lock_timeout');
+            PERFORM pg_catalog.set_config('lock_timeout', '100ms', true);
             BEGIN
                 PERFORM pgcoord.member_reap_group(grp);
             EXCEPTION WHEN lock_not_available OR deadlock_detected THEN
                 NULL;
             END;
+            PERFORM pg_catalog.set_config('lock_timeout', saved_lock_timeout, true);
         END IF;
         IF NOT want_state THEN
             RETURN '{}';
