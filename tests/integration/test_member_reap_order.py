@@ -198,3 +198,38 @@ async def test_a_sessionless_member_s_beat_survives_its_sweep_crossing_a_sweeper
     assert [r for r in results if isinstance(r, BaseException)] == [], results
     assert results == [1, "{}"]  # the beat stood; the sweep marked only the dead member
     assert left_reason(dsn, p_id) is None and left_reason(dsn, dead_id) == "crashed"
+
+
+async def test_a_sweeping_beat_gives_up_its_sweep_on_a_held_row_and_stands(own_db: str) -> None:
+    """An operator's transaction holds a dead member's row. The group's sweeper beats:
+    its sweep gives up after its own bound (100 ms), whatever the session's
+    lock_timeout (none here), and the beat itself is written. Before 0012 the beat
+    waited as long as the session let it, and then was rolled back whole."""
+    dsn = own_db
+    g = f"held-{uuid.uuid4().hex[:6]}"
+    beater = await asyncpg.connect(dsn)
+    op = await asyncpg.connect(dsn)
+    try:
+        await beater.execute("SET lock_timeout = 0; SET statement_timeout = 0")
+        # The sweeper first: the group's lowest id, it sweeps at every beat.
+        own = await beater.fetchval(
+            "SELECT id FROM pgcoord.member_join_from($1, 'sweeper', '{}'::jsonb, 30000, 'test', true, $2)",
+            g, "test-host:2")
+        ids = await dead_members(dsn, g, ["dead"])
+        tx = op.transaction()
+        await tx.start()
+        await op.execute("SELECT 1 FROM pgcoord.member_sessions WHERE id = $1 FOR UPDATE", ids["dead"])
+        before = await beater.fetchval("SELECT heartbeat_at FROM pgcoord.member_sessions WHERE id = $1", own)
+        started = time.monotonic()
+        state = await asyncio.wait_for(beater.fetchval("SELECT pgcoord.member_beat($1, false)", own), 5)
+        took = time.monotonic() - started
+        after = await beater.fetchval("SELECT heartbeat_at FROM pgcoord.member_sessions WHERE id = $1", own)
+        await tx.rollback()
+        assert await beater.fetchval("SHOW lock_timeout") == "0"  # put back as it was
+        swept = await beater.fetchval("SELECT pgcoord.member_beat($1, false)", own)
+    finally:
+        await op.close()
+        await beater.close()
+    assert state == "{}" and after > before, (state, before, after)
+    assert took < 2.0, took
+    assert swept == "{}" and left_reason(dsn, ids["dead"]) == "crashed"  # the next beat sweeps it
