@@ -58,12 +58,14 @@ class PsycopgAdapter(Adapter):
     __slots__ = ()
 
     async def fetchval_on(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
-        cur = await conn.execute(to_pyformat(sql), params)
+        async with synced(conn):
+            cur = await conn.execute(to_pyformat(sql), params)
         row = await cur.fetchone() if cur.description else None
         return None if row is None else row[0]
 
     def fetchval_on_sync(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
-        cur = conn.execute(to_pyformat(sql), params)
+        with synced(conn):
+            cur = conn.execute(to_pyformat(sql), params)
         row = cur.fetchone() if cur.description else None
         return None if row is None else row[0]
 
@@ -125,6 +127,21 @@ def _one_message(conn: Any, lock: LockStatement) -> str | None:
     level = conn.isolation_level
     isolation = None if level is None else psycopg.IsolationLevel(level).name.replace("_", " ")
     return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
+
+
+def synced(conn: Any) -> Any:
+    """A context at whose end the statements run in it have been answered.
+
+    In pipeline mode a statement is only queued: pgcoord would return before the
+    server granted a lock or checked a fence, and a refusal would surface later
+    as a psycopg error at some statement of the caller's. A nested pipeline
+    block sends a Sync at its end and reads every result, so the lock is
+    granted, or refused with its own error, before pgcoord returns. Out of
+    pipeline mode nothing is needed (a block would enter pipeline mode for one
+    statement, which costs round trips)."""
+    if conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        return contextlib.nullcontext()
+    return conn.pipeline()
 
 
 def _in_savepoint(conn: Any, lock: LockStatement) -> tuple[str, Any]:
@@ -270,7 +287,8 @@ class AsyncOneTrip:
             block = self.conn.transaction()
             await block.__aenter__()
             self._block = block
-            await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            async with self.conn.pipeline():  # answered before the body runs: _synced
+                await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
             return
         if not self.conn.autocommit:
             await self.conn.set_autocommit(True)
@@ -312,7 +330,8 @@ class SyncOneTrip:
             block = self.conn.transaction()
             block.__enter__()
             self._block = block
-            self.conn.execute(to_pyformat(lock.bound), lock.params or None)
+            with self.conn.pipeline():  # answered before the body runs: _synced
+                self.conn.execute(to_pyformat(lock.bound), lock.params or None)
             return
         if not self.conn.autocommit:
             self.conn.autocommit = True
@@ -365,7 +384,8 @@ class AsyncPsycopgSession(AsyncTxSession):
     async def _run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
         async with self.conn.transaction():
-            cur = await self.conn.execute(to_pyformat(sql), params)
+            async with synced(self.conn):
+                cur = await self.conn.execute(to_pyformat(sql), params)
             return await cur.fetchone() if cur.description else None
 
     async def begin_locked(self, lock: LockStatement) -> None:
@@ -379,7 +399,7 @@ class AsyncPsycopgSession(AsyncTxSession):
 
     async def _lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
-        async with self.conn.transaction():
+        async with self.conn.transaction(), synced(self.conn):
             await self.conn.execute(*_in_savepoint(self.conn, lock))
 
     async def commit(self) -> None:
@@ -433,7 +453,7 @@ class SyncPsycopgSession(SyncTxSession):
 
     def run_autocommit(self, sql: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         assert self.conn is not None
-        with self.conn.transaction():
+        with self.conn.transaction(), synced(self.conn):
             cur = self.conn.execute(to_pyformat(sql), params)
             return cur.fetchone() if cur.description else None
 
@@ -444,7 +464,7 @@ class SyncPsycopgSession(SyncTxSession):
 
     def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
-        with self.conn.transaction():
+        with self.conn.transaction(), synced(self.conn):
             self.conn.execute(*_in_savepoint(self.conn, lock))
 
     def commit(self) -> None:

@@ -86,12 +86,15 @@ class AsyncLaneConn(_LaneConn):
         return await guard_cancel(self.conn, self._psycopg_fetchval(sql, args), grace=CANCEL_GRACE)
 
     async def _psycopg_fetchval(self, sql: str, args: tuple[Any, ...]) -> Any:
+        from .._drivers.psycopg import synced
+
         conn = self.conn
         switched = not conn.autocommit
         if switched:  # no I/O: psycopg then sends no BEGIN
             await conn.set_autocommit(True)
         try:
-            cur = await conn.execute(to_pyformat(sql), args or None, prepare=False)
+            async with synced(conn):
+                cur = await conn.execute(to_pyformat(sql), args or None, prepare=False)
             row = await cur.fetchone() if cur.description else None
             return None if row is None else row[0]
         finally:
@@ -181,12 +184,15 @@ class SyncLaneConn(_LaneConn):
         self._listening = False
 
     def fetchval(self, sql: str, *args: Any) -> Any:
+        from .._drivers.psycopg import synced
+
         conn = self.conn
         switched = not conn.autocommit
         if switched:
             conn.autocommit = True
         try:
-            cur = conn.execute(to_pyformat(sql), args or None, prepare=False)
+            with synced(conn):
+                cur = conn.execute(to_pyformat(sql), args or None, prepare=False)
             row = cur.fetchone() if cur.description else None
             return None if row is None else row[0]
         finally:

@@ -1,0 +1,196 @@
+"""A psycopg connection the caller has put in pipeline mode.
+
+There a statement is only queued until something syncs the pipeline. pgcoord's
+own statements on such a connection must still be answered before pgcoord
+returns: the lock held when the body starts, a busy lock refused as LockBusy at
+the ``with``, a stale fence refused as StaleFence at ``check_fence`` (not as a
+psycopg error at some later statement of the caller's, after the body ran).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import psycopg
+import pytest
+
+import pgcoord
+
+from .conftest import advisory_locks, sql, unique
+
+IDLE = psycopg.pq.TransactionStatus.IDLE
+
+
+@pytest.fixture
+def table(dsn: str) -> str:
+    name = unique("t").replace(":", "_")
+    sql(dsn, f"create table {name} (id int)")
+    return name
+
+
+def _lease_at_fence(dsn: str, fence: int) -> str:
+    name = unique("pipeline-fence")
+    sql(dsn, "insert into pgcoord.leases (name, holder, fence, expires_at)"
+             " values (%s, 'someone', %s, now() + interval '1 hour')", name, fence)
+    return name
+
+
+def test_sync_exclusive_holds_the_lock_when_the_body_starts(dsn: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    with psycopg.connect(dsn) as conn, conn.pipeline():
+        with pgcoord.exclusive(conn, key):
+            # No statement of the body yet: nothing else would sync the pipeline.
+            assert [k for _, k, _ in advisory_locks(dsn)] == [pgcoord.lock_key(key)]
+        assert advisory_locks(dsn) == []
+        assert conn.info.transaction_status == IDLE
+
+
+async def test_async_exclusive_holds_the_lock_when_the_body_starts(dsn: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+        async with pgcoord.exclusive(conn, key):
+            assert [k for _, k, _ in advisory_locks(dsn)] == [pgcoord.lock_key(key)]
+        assert advisory_locks(dsn) == []
+        assert conn.info.transaction_status == IDLE
+
+
+def test_sync_busy_lock_is_lockbusy_before_the_body(dsn: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    ran = []
+    with psycopg.connect(dsn) as holder, pgcoord.exclusive(holder, key), \
+            psycopg.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.LockBusy), pgcoord.exclusive(conn, key, wait=False):
+            ran.append(True)
+        assert ran == []
+        assert conn.info.transaction_status == IDLE
+        assert conn.execute("select 7").fetchone() == (7,)
+        conn.commit()
+
+
+async def test_async_busy_lock_is_lockbusy_before_the_body(dsn: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    ran = []
+    async with await psycopg.AsyncConnection.connect(dsn) as holder, pgcoord.exclusive(holder, key), \
+            await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.LockBusy):
+            async with pgcoord.exclusive(conn, key, wait=False):
+                ran.append(True)
+        assert ran == []
+        assert conn.info.transaction_status == IDLE
+
+
+async def test_a_lock_in_the_callers_transaction_is_refused_and_the_transaction_goes_on(
+    dsn: str, table: str, locks_in: None,
+) -> None:
+    """In the caller's own transaction the lock is taken in a savepoint: a busy
+    one is LockBusy at the ``with``, and the caller's writes before and after
+    commit."""
+    key = unique("pipeline")
+    async with await psycopg.AsyncConnection.connect(dsn) as holder, pgcoord.exclusive(holder, key), \
+            await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline(), conn.transaction():
+        await conn.execute(f"insert into {table} values (1)")
+        with pytest.raises(pgcoord.LockBusy):
+            async with pgcoord.exclusive(conn, key, wait=False):
+                pass
+        await conn.execute(f"insert into {table} values (2)")
+    assert sql(dsn, f"select count(*) from {table}") == [(2,)]
+
+
+def test_sync_lock_in_the_callers_transaction_is_refused_and_the_transaction_goes_on(
+    dsn: str, table: str, locks_in: None,
+) -> None:
+    key = unique("pipeline")
+    with psycopg.connect(dsn) as holder, pgcoord.exclusive(holder, key), \
+            psycopg.connect(dsn) as conn, conn.pipeline(), conn.transaction():
+        conn.execute(f"insert into {table} values (1)")
+        with pytest.raises(pgcoord.LockBusy), pgcoord.exclusive(conn, key, wait=False):
+            pass
+        conn.execute(f"insert into {table} values (2)")
+    assert sql(dsn, f"select count(*) from {table}") == [(2,)]
+
+
+async def test_a_full_semaphore_is_lockbusy_and_a_release_wakes_nobody_in_error(
+    dsn: str, locks_in: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    name = unique("pipeline-sem")
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+        with caplog.at_level(logging.WARNING, logger="pgcoord"):
+            async with pgcoord.semaphore(conn, name, limit=1):
+                assert len(advisory_locks(dsn)) == 1
+        assert [r.getMessage() for r in caplog.records] == []
+        async with await psycopg.AsyncConnection.connect(dsn) as other, \
+                pgcoord.semaphore(other, name, limit=1):
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(conn, name, limit=1, wait=False):
+                    pass
+        assert conn.info.transaction_status == IDLE
+
+
+async def test_a_semaphore_waiter_in_pipeline_mode_gets_the_slot_on_release(
+    dsn: str, locks_in: None,
+) -> None:
+    name = unique("pipeline-sem")
+    got = asyncio.Event()
+
+    async def waiter() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline(), \
+                pgcoord.semaphore(conn, name, limit=1, timeout=20):
+            got.set()
+
+    async with await psycopg.AsyncConnection.connect(dsn) as holder:
+        async with pgcoord.semaphore(holder, name, limit=1):
+            task = asyncio.create_task(waiter())
+            await asyncio.sleep(0.5)
+            assert not got.is_set() and not task.done()
+        await asyncio.wait_for(task, 10)
+    assert got.is_set()
+
+
+def test_sync_semaphore_waiter_in_pipeline_mode_gets_the_slot_on_release(
+    dsn: str, locks_in: None,
+) -> None:
+    name = unique("pipeline-sem")
+    held = threading.Event()
+    release = threading.Event()
+
+    def holder() -> None:
+        with psycopg.connect(dsn) as conn, pgcoord.semaphore(conn, name, limit=1):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        threading.Timer(0.5, release.set).start()
+        with psycopg.connect(dsn) as conn, conn.pipeline():
+            with pgcoord.semaphore(conn, name, limit=1, timeout=20):
+                assert release.is_set(), "the slot was given while the holder still had it"
+            assert conn.info.transaction_status == IDLE
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_sync_stale_fence_is_stalefence_at_the_call(dsn: str) -> None:
+    name = _lease_at_fence(dsn, 5)
+    with psycopg.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.StaleFence):
+            pgcoord.check_fence(conn, name, 3)
+        conn.rollback()
+        pgcoord.check_fence(conn, name, 5)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+
+
+async def test_async_stale_fence_is_stalefence_at_the_call(dsn: str) -> None:
+    name = _lease_at_fence(dsn, 5)
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.StaleFence):
+            await pgcoord.check_fence(conn, name, 3)
+        await conn.rollback()
+        await pgcoord.check_fence(conn, name, 5)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        await conn.rollback()
