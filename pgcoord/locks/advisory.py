@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from .._core import errmap as _errmap
 from .._core.queries import query
+from .._core.recent import RecentSet
 from .._drivers.base import LockStatement
 from ..errors import Deadlock, LockBusy, LockTableFull, LockTimeout, PgcoordError
 from ..keys import LockKeyLike, key_and_name
@@ -29,8 +30,10 @@ log = logging.getLogger("pgcoord.locks")
 
 # Keys whose names this process recorded in pgcoord.lock_names (or tried to): by
 # exclusive() and by session locks (LockHolder). Recording is best effort and
-# happens once per key, so later uses cost no extra round trip.
-recorded_names: set[int] = set()
+# happens once per key, so later uses cost no extra round trip; bounded, for an
+# application that locks per entity (see _core/recent.py).
+RECORDED_NAMES_KEPT = 10_000
+recorded_names: RecentSet[int] = RecentSet(RECORDED_NAMES_KEPT)
 
 
 class LockRequest:

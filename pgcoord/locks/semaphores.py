@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 
 from .._core import errmap as _errmap
 from .._core.queries import query
+from .._core.recent import RecentSet
 from .._drivers.base import LockStatement
 from ..errors import LockBusy, LockTableFull, LockTimeout, PgcoordError, SchemaMissing
 from ..keys import semaphore_key
@@ -52,8 +53,9 @@ SEMAPHORE_RECHECK = 0.5
 #: The most lanes one semaphore may have (a failed try walks them all).
 MAX_LIMIT = 10_000
 
-# (name, limit) pairs recorded in pgcoord.semaphores by this process.
-recorded: set[tuple[str, int]] = set()
+# (name, limit) pairs recorded in pgcoord.semaphores by this process (bounded as
+# advisory.recorded_names is).
+recorded: RecentSet[tuple[str, int]] = RecentSet(1_000)
 
 
 class SemaphoreRequest:

@@ -132,30 +132,55 @@ def fence_rejected(name: str, fence: int) -> None:
         otel.fence_rejected(name, fence)
 
 
+#: The most distinct lock names one process gives their own label in the lock
+#: metrics (``lock_wait``, ``busy``, ``lock_lost``). An application that locks per
+#: entity (``exclusive(pool, f"order:{id}")``) would otherwise make a series per
+#: entity, for the life of the process, in every scrape. Names past the first
+#: ones share the label ``OTHER_NAMES``; the log records keep the real name.
+LOCK_NAMES_LABELLED = 200
+OTHER_NAMES = "(other names)"
+_labelled: set[str] = set()
+
+
+def _lock_label(name: str) -> str:
+    if name in _labelled:
+        return name
+    if len(_labelled) >= LOCK_NAMES_LABELLED:
+        return OTHER_NAMES
+    _labelled.add(name)  # two threads may both add past the limit: by one or two
+    return name
+
+
 def lock_wait(name: str, seconds: float) -> None:
     # Called on every lock: build the log fields only when they will be logged.
     if log.isEnabledFor(logging.DEBUG):
         _emit("lock_granted", name, waited=round(seconds, 6))
-    if _prometheus() is not None:
-        _child("lock_wait", name).observe(seconds)
-    if (otel := _otel.sink()) is not None:
-        otel.lock_wait(name, seconds)
+    prom, otel = _prometheus(), _otel.sink()
+    if prom is None and otel is None:
+        return
+    label = _lock_label(name)
+    if prom is not None:
+        _child("lock_wait", label).observe(seconds)
+    if otel is not None:
+        otel.lock_wait(name, seconds, label)
 
 
 def busy(name: str) -> None:
     _emit("lock_busy", name)
+    label = _lock_label(name)
     if _prometheus() is not None:
-        _child("busy", name).inc()
+        _child("busy", label).inc()
     if (otel := _otel.sink()) is not None:
-        otel.busy(name)
+        otel.busy(label)
 
 
 def lock_lost(name: str, reason: str) -> None:
     _emit("lock_lost", name, logging.INFO, reason=reason)
-    if (prom := _prometheus()) is not None:
-        prom["lost"].labels(name).inc()
+    label = _lock_label(name)
+    if _prometheus() is not None:
+        _child("lost", label).inc()
     if (otel := _otel.sink()) is not None:
-        otel.lock_lost(name, reason)
+        otel.lock_lost(name, reason, label)
 
 
 def job_failing(name: str, handler: str, expected: int) -> None:

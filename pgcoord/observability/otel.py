@@ -102,18 +102,21 @@ class Sink:
     def fence_rejected(self, name: str, fence: int) -> None:
         self.fence_rejections.add(1, {"pgcoord.name": name})
 
-    def lock_wait(self, name: str, seconds: float) -> None:
-        self.lock_wait_seconds.record(seconds, {"pgcoord.name": name})
+    # ``label`` is ``name`` for the first names a process uses, one shared label
+    # past them (metrics.LOCK_NAMES_LABELLED): metric attributes must stay
+    # bounded, while a span is one event and keeps the real name.
+    def lock_wait(self, name: str, seconds: float, label: str) -> None:
+        self.lock_wait_seconds.record(seconds, {"pgcoord.name": label})
         end = time.time_ns()
         span = self._tracer.start_span("pgcoord.lock.wait", start_time=end - int(seconds * 1e9),
                                        attributes={"pgcoord.name": name, "pgcoord.waited_s": seconds})
         span.end(end_time=end)
 
-    def busy(self, name: str) -> None:
-        self.lock_busy.add(1, {"pgcoord.name": name})
+    def busy(self, label: str) -> None:
+        self.lock_busy.add(1, {"pgcoord.name": label})
 
-    def lock_lost(self, name: str, reason: str) -> None:
-        self.locks_lost.add(1, {"pgcoord.name": name})
+    def lock_lost(self, name: str, reason: str, label: str) -> None:
+        self.locks_lost.add(1, {"pgcoord.name": label})
         # A leadership term has ended by now (the elector steps down first, then says
         # why): the loss is a span of its own, an error, right after the term's.
         span = self._tracer.start_span("pgcoord.lost", attributes={"pgcoord.name": name,

@@ -140,6 +140,16 @@ def setting_seconds(dsn: str, name: str) -> float | None:
     return value / 1000 if unit == "ms" else value
 
 
+@pytest.fixture
+def room_for_lock_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lock metrics label only the first names a process uses (LOCK_NAMES_LABELLED);
+    a test worker uses hundreds. A test that reads a name's own series starts
+    with none labelled yet."""
+    from pgcoord.observability import metrics
+
+    monkeypatch.setattr(metrics, "_labelled", set())
+
+
 def unique(prefix: str) -> str:
     """A name no other test uses: tests share one database."""
     return f"{prefix}:{uuid.uuid4().hex[:8]}"

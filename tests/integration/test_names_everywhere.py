@@ -224,3 +224,28 @@ def test_a_numeric_key_stays_a_number(dsn: str) -> None:
             assert "#424242" in status(dsn)
         finally:
             conn.execute("select pg_advisory_unlock(424242)")
+
+
+async def test_names_are_remembered_per_process_within_a_bound(
+    dsn: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Locks taken per entity (a name per order) record each name, but the process
+    remembers only the most recent ones: memory stays bounded, and a name it forgot
+    is recorded again on its next use (a duplicate row is never made)."""
+    from pgcoord.locks import advisory
+
+    monkeypatch.setattr(advisory.recorded_names, "capacity", 3)
+    names = [unique("order") for _ in range(8)]
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        for name in [*names, names[0]]:
+            async with pgcoord.exclusive(pool, name):
+                pass
+        async with pgcoord.LockHolder(pool) as holder, holder.lock(names[1]):
+            pass
+    finally:
+        await pool.close()
+    assert len(advisory.recorded_names) == 3
+    assert pgcoord.lock_key(names[0]) in advisory.recorded_names
+    assert sorted(r[0] for r in sql(dsn, "select name from pgcoord.lock_names where name = any(%s)",
+                                    names)) == sorted(names)

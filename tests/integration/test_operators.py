@@ -75,7 +75,7 @@ def test_the_demo_shows_every_step(dsn: str) -> None:
     assert "after the new leader's first write: 0" in out
 
 
-async def test_prometheus_metrics_after_a_failover(dsn: str) -> None:
+async def test_prometheus_metrics_after_a_failover(dsn: str, room_for_lock_labels: None) -> None:
     from prometheus_client import REGISTRY, generate_latest
 
     name = f"metrics:{uuid.uuid4().hex[:6]}"
@@ -253,7 +253,9 @@ async def _schedules_as_service(pool: asyncpg.Pool, admin_dsn: str) -> None:
     await sched.remove("roles:schedule")
 
 
-async def test_lock_metrics_count_waits_busy_results_and_losses(dsn: str) -> None:
+async def test_lock_metrics_count_waits_busy_results_and_losses(
+    dsn: str, room_for_lock_labels: None,
+) -> None:
     from prometheus_client import REGISTRY
 
     name = f"metrics-lock:{uuid.uuid4().hex[:6]}"
@@ -274,3 +276,29 @@ async def test_lock_metrics_count_waits_busy_results_and_losses(dsn: str) -> Non
     assert REGISTRY.get_sample_value("pgcoord_lock_wait_seconds_count", {"name": name}) == 2
     assert REGISTRY.get_sample_value("pgcoord_lock_busy_total", {"name": name}) == 1
     assert REGISTRY.get_sample_value("pgcoord_locks_lost_total", {"name": name}) == 1
+
+
+async def test_lock_metrics_label_a_bounded_number_of_names(
+    dsn: str, room_for_lock_labels: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Locks taken per entity (a name per order) must not make a series per entity:
+    past the first names a process uses, the rest share one label."""
+    from prometheus_client import REGISTRY
+
+    from pgcoord.observability import metrics
+
+    monkeypatch.setattr(metrics, "LOCK_NAMES_LABELLED", 3)
+    other = {"name": metrics.OTHER_NAMES}
+    before = REGISTRY.get_sample_value("pgcoord_lock_wait_seconds_count", other) or 0
+    names = [f"order:{uuid.uuid4().hex[:8]}" for _ in range(6)]
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        for name in [*names, names[0]]:
+            async with pgcoord.exclusive(pool, name):
+                pass
+    finally:
+        await pool.close()
+    counts = [REGISTRY.get_sample_value("pgcoord_lock_wait_seconds_count", {"name": n})
+              for n in names]
+    assert counts == [2, 1, 1, None, None, None]
+    assert REGISTRY.get_sample_value("pgcoord_lock_wait_seconds_count", other) == before + 3

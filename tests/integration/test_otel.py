@@ -50,7 +50,9 @@ def points(reader: InMemoryMetricReader, metric: str) -> list[Any]:
     return found
 
 
-async def test_a_lock_wait_is_a_span_with_its_real_duration(dsn: str, otel: Any) -> None:
+async def test_a_lock_wait_is_a_span_with_its_real_duration(
+    dsn: str, otel: Any, room_for_lock_labels: None,
+) -> None:
     exporter, reader = otel
     name = unique("otel-lock")
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
@@ -75,7 +77,9 @@ async def test_a_lock_wait_is_a_span_with_its_real_duration(dsn: str, otel: Any)
     assert waits and waits[0].count == 2
 
 
-async def test_a_leadership_term_is_a_span_and_lost_locks_are_counted(dsn: str, otel: Any) -> None:
+async def test_a_leadership_term_is_a_span_and_lost_locks_are_counted(
+    dsn: str, otel: Any, room_for_lock_labels: None,
+) -> None:
     exporter, reader = otel
     name = unique("otel-duty")
     elector = pgcoord.Elector(dsn, name, ttl=1.0)
