@@ -55,4 +55,5 @@ class RecentSet(Generic[K]):
             self._keys.clear()
 
     def __len__(self) -> int:
-        return len(self._keys)
+        with self._guard:  # not mid-way through another thread's add
+            return len(self._keys)
