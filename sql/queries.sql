@@ -40,12 +40,14 @@ BEGIN
     PERFORM pg_catalog.set_config('lock_timeout', previous, true);
 END $pgcoord$
 
--- name: advisory_untimed
+-- name: advisory_untimed_arm
 -- A waiting lock whose only bound is pgcoord's own ({timeout_ms} ms; 0 for "until
--- granted"), as one simple-protocol message: the server's, database's or role's
--- lock_timeout and statement_timeout must not cut it. statement_timeout is armed when
--- a statement starts, so both are set (for the transaction) before the lock's own
--- statement and put back right after it, in the caller's transaction too; the
+-- granted") is three statements: this one, advisory_untimed_lock and
+-- advisory_untimed_disarm, sent as one simple-protocol message (or queued
+-- together in a psycopg pipeline). The server's, database's or role's
+-- lock_timeout and statement_timeout must not cut it. statement_timeout is armed
+-- when a statement starts, so both are set (for the transaction) before the lock's
+-- own statement and put back right after it, in the caller's transaction too; the
 -- previous values wait in transaction-local pgcoord.saved_* settings (placeholders:
 -- after the transaction they read '' and are not in pg_settings). On error the
 -- enclosing transaction or savepoint rollback discards all of them.
@@ -57,8 +59,12 @@ SELECT pg_catalog.set_config('pgcoord.saved_lock_timeout', saved.lock_timeout, t
        pg_catalog.set_config('pgcoord.saved_statement_timeout', saved.statement_timeout, true),
        pg_catalog.set_config('lock_timeout', '{timeout_ms}ms', true),
        pg_catalog.set_config('statement_timeout', '0', true)
-FROM saved;
-SELECT pg_catalog.{fn}({key});
+FROM saved
+
+-- name: advisory_untimed_lock
+SELECT pg_catalog.{fn}({key})
+
+-- name: advisory_untimed_disarm
 SELECT pg_catalog.set_config('lock_timeout',
                              pg_catalog.current_setting('pgcoord.saved_lock_timeout'), true),
        pg_catalog.set_config('statement_timeout',

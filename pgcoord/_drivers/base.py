@@ -31,6 +31,16 @@ class LockStatement:
     inline: str
     bound: str
     params: tuple[int, ...]
+    #: ``inline`` as single statements, for a psycopg pipeline, which takes one
+    #: statement at a time but sends them in one round trip; empty where
+    #: ``bound`` with ``params`` says it all.
+    steps: tuple[str, ...] = ()
+
+    def pipelined(self) -> tuple[tuple[str, tuple[int, ...] | None], ...]:
+        """The statements (and parameters) to queue in a pipeline, in order."""
+        if self.steps:
+            return tuple((step, None) for step in self.steps)
+        return ((self.bound, self.params or None),)
 
 
 ISOLATION_LEVELS = frozenset({"READ UNCOMMITTED", "READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"})
@@ -47,6 +57,19 @@ def begin_and_lock(
     given its own BEGIN (``isolation`` is spelled as in SQL, "REPEATABLE READ"),
     so taking the lock this way changes nothing the body can observe.
     """
+    return query("begin_and_lock").format(
+        mode=transaction_mode(isolation, read_only, deferrable), lock=lock.inline)
+
+
+@functools.lru_cache(maxsize=64)
+def begin_statement(
+    isolation: str | None = None, read_only: bool | None = None, deferrable: bool | None = None,
+) -> str:
+    """BEGIN alone, with the same characteristics as :func:`begin_and_lock`'s."""
+    return "BEGIN" + transaction_mode(isolation, read_only, deferrable)
+
+
+def transaction_mode(isolation: str | None, read_only: bool | None, deferrable: bool | None) -> str:
     mode = ""
     if isolation is not None:
         if isolation not in ISOLATION_LEVELS:
@@ -56,4 +79,4 @@ def begin_and_lock(
         mode += " READ ONLY" if read_only else " READ WRITE"
     if deferrable is not None:
         mode += " DEFERRABLE" if deferrable else " NOT DEFERRABLE"
-    return query("begin_and_lock").format(mode=mode, lock=lock.inline)
+    return mode

@@ -21,7 +21,6 @@ import contextlib
 import os
 import socket
 from collections.abc import Coroutine
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, TypeVar
 
 import psycopg
@@ -30,7 +29,7 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 from .._core.aio import consume_result
 from .._core.queries import to_pyformat
 from .adapt import Adapter
-from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock
+from .base import AsyncTxSession, LockStatement, SyncTxSession, begin_and_lock, begin_statement
 from .protocol import DedicatedSession, Lender, SessionSource
 
 try:
@@ -119,14 +118,30 @@ def is_connect_error(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.OperationalError)
 
 
-def _one_message(conn: Any, lock: LockStatement) -> str | None:
-    """``BEGIN; <lock>`` with the connection's own transaction characteristics,
-    or None where one message cannot carry both (pipeline mode)."""
-    if conn.pgconn.pipeline_status != PipelineStatus.OFF:
-        return None
+def _mode(conn: Any) -> tuple[str | None, bool | None, bool | None]:
+    """The connection's own transaction characteristics, as its BEGIN would carry them."""
     level = conn.isolation_level
     isolation = None if level is None else psycopg.IsolationLevel(level).name.replace("_", " ")
-    return begin_and_lock(lock, isolation, conn.read_only, conn.deferrable)
+    return isolation, conn.read_only, conn.deferrable
+
+
+def _one_message(conn: Any, lock: LockStatement) -> str:
+    """``BEGIN; <lock>`` with the connection's own transaction characteristics."""
+    return begin_and_lock(lock, *_mode(conn))
+
+
+def _drained(conn: Any) -> None:
+    """After a pipeline sync whose errors were let pass before a rollback: they
+    were the body's statements' own (a failed insert it queued), which the
+    rollback undoes anyway. A connection that broke meanwhile must not go back:
+    its error is raised, and the caller discards it."""
+    if conn.closed or conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+        raise psycopg.OperationalError("the connection broke while its pipeline was read")
+
+
+def _begin(conn: Any) -> str:
+    """The BEGIN psycopg would send, for a pipeline (one statement at a time)."""
+    return begin_statement(*_mode(conn))
 
 
 def synced(conn: Any) -> Any:
@@ -144,13 +159,13 @@ def synced(conn: Any) -> Any:
     return conn.pipeline()
 
 
-def _in_savepoint(conn: Any, lock: LockStatement) -> tuple[str, Any]:
-    """The lock statement and its parameters for a savepoint of the caller's: the
-    simple-protocol message (a wait then keeps statement_timeout off itself) unless
-    pipeline mode takes one statement at a time."""
+def _in_savepoint(conn: Any, lock: LockStatement) -> tuple[tuple[str, Any], ...]:
+    """The lock's statements and parameters for a savepoint of the caller's: the
+    simple-protocol message (a wait then keeps statement_timeout off itself), or
+    its statements one by one in pipeline mode, which takes one at a time."""
     if conn.pgconn.pipeline_status == PipelineStatus.OFF:
-        return lock.inline, None
-    return to_pyformat(lock.bound), lock.params or None
+        return ((lock.inline, None),)
+    return tuple((to_pyformat(sql), params) for sql, params in lock.pipelined())
 
 
 T = TypeVar("T")
@@ -278,34 +293,35 @@ class AsyncOneTrip:
     def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self.conn = conn
         self._autocommit_switched = False
-        # psycopg's own transaction block, used in pipeline mode only.
-        self._block: AbstractAsyncContextManager[Any] | None = None
 
     async def begin_locked(self, lock: LockStatement) -> None:
-        message = _one_message(self.conn, lock)
-        if message is None:
-            block = self.conn.transaction()
-            await block.__aenter__()
-            self._block = block
-            async with self.conn.pipeline():  # answered before the body runs: _synced
-                await self.conn.execute(to_pyformat(lock.bound), lock.params or None)
-            return
+        # In autocommit psycopg sends no BEGIN of its own, and after the body a
+        # transaction the body ended itself stays ended (the block then says so).
         if not self.conn.autocommit:
             await self.conn.set_autocommit(True)
             self._autocommit_switched = True
-        await guard_cancel(self.conn, self.conn.execute(message, prepare=False), grace=0)
+        if self.conn.pgconn.pipeline_status == PipelineStatus.OFF:
+            await guard_cancel(self.conn, self.conn.execute(_one_message(self.conn, lock),
+                                                            prepare=False), grace=0)
+        else:
+            await guard_cancel(self.conn, self._begin_pipelined(lock), grace=0)
+
+    async def _begin_pipelined(self, lock: LockStatement) -> None:
+        async with self.conn.pipeline():  # one Sync: answered before the body runs
+            await self.conn.execute(_begin(self.conn), prepare=False)
+            for sql, params in lock.pipelined():
+                await self.conn.execute(to_pyformat(sql), params, prepare=False)
 
     async def commit(self) -> None:
-        block, self._block = self._block, None
-        if block is not None:
-            await block.__aexit__(None, None, None)
         await self.conn.commit()
         await self.restore_autocommit()
 
     async def rollback(self) -> None:
-        block, self._block = self._block, None
-        if block is not None:
-            await block.__aexit__(_Rollback, _Rollback(), None)
+        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            with contextlib.suppress(psycopg.Error):
+                async with self.conn.pipeline():  # _drained
+                    pass
+            _drained(self.conn)
         if _in_transaction(self.conn):
             await self.conn.rollback()
         await self.restore_autocommit()
@@ -322,33 +338,28 @@ class SyncOneTrip:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
         self._autocommit_switched = False
-        self._block: AbstractContextManager[Any] | None = None
 
     def begin_locked(self, lock: LockStatement) -> None:
-        message = _one_message(self.conn, lock)
-        if message is None:
-            block = self.conn.transaction()
-            block.__enter__()
-            self._block = block
-            with self.conn.pipeline():  # answered before the body runs: _synced
-                self.conn.execute(to_pyformat(lock.bound), lock.params or None)
-            return
         if not self.conn.autocommit:
             self.conn.autocommit = True
             self._autocommit_switched = True
-        self.conn.execute(message, prepare=False)
+        if self.conn.pgconn.pipeline_status == PipelineStatus.OFF:
+            self.conn.execute(_one_message(self.conn, lock), prepare=False)
+            return
+        with self.conn.pipeline():  # one Sync: answered before the body runs
+            self.conn.execute(_begin(self.conn), prepare=False)
+            for sql, params in lock.pipelined():
+                self.conn.execute(to_pyformat(sql), params, prepare=False)
 
     def commit(self) -> None:
-        block, self._block = self._block, None
-        if block is not None:
-            block.__exit__(None, None, None)
         self.conn.commit()
         self.restore_autocommit()
 
     def rollback(self) -> None:
-        block, self._block = self._block, None
-        if block is not None:
-            block.__exit__(_Rollback, _Rollback(), None)
+        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            with contextlib.suppress(psycopg.Error), self.conn.pipeline():  # _drained
+                pass
+            _drained(self.conn)
         if _in_transaction(self.conn):
             self.conn.rollback()
         self.restore_autocommit()
@@ -369,7 +380,21 @@ class AsyncPsycopgSession(AsyncTxSession):
     async def checkout(self) -> Any:
         if self._pool is not None:
             self.conn = await self._pool.getconn()
+        else:
+            await self.settle()  # the caller's statements still queued in a pipeline
         return self.conn
+
+    async def settle(self) -> None:
+        # libpq reads ACTIVE while a pipeline's results are pending, whatever the
+        # transaction will be once they are read.
+        assert self.conn is not None
+        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            await guard_cancel(self.conn, self._sync_pipeline(), grace=CANCEL_GRACE)
+
+    async def _sync_pipeline(self) -> None:
+        assert self.conn is not None
+        async with self.conn.pipeline():
+            pass
 
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
@@ -400,7 +425,8 @@ class AsyncPsycopgSession(AsyncTxSession):
     async def _lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         async with self.conn.transaction(), synced(self.conn):
-            await self.conn.execute(*_in_savepoint(self.conn, lock))
+            for sql, params in _in_savepoint(self.conn, lock):
+                await self.conn.execute(sql, params)
 
     async def commit(self) -> None:
         # The trip is kept until it has switched autocommit back: after a failed
@@ -443,7 +469,15 @@ class SyncPsycopgSession(SyncTxSession):
     def checkout(self) -> Any:
         if self._pool is not None:
             self.conn = self._pool.getconn()
+        else:
+            self.settle()
         return self.conn
+
+    def settle(self) -> None:
+        assert self.conn is not None
+        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            with self.conn.pipeline():
+                pass
 
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)
@@ -465,7 +499,8 @@ class SyncPsycopgSession(SyncTxSession):
     def lock_in_savepoint(self, lock: LockStatement) -> None:
         assert self.conn is not None
         with self.conn.transaction(), synced(self.conn):
-            self.conn.execute(*_in_savepoint(self.conn, lock))
+            for sql, params in _in_savepoint(self.conn, lock):
+                self.conn.execute(sql, params)
 
     def commit(self) -> None:
         if self._trip is not None:  # kept until autocommit is back; see the async twin
@@ -495,6 +530,3 @@ class SyncPsycopgSession(SyncTxSession):
         if conn is not None:
             sever_sync(conn)
 
-
-class _Rollback(Exception):
-    """Passed into psycopg's transaction block so that it rolls back."""

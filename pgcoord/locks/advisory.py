@@ -110,13 +110,15 @@ def _statement(key: int, fn: str, wait: bool, timeout: float | None) -> LockStat
         return LockStatement(inline, inline, ())
     # A wait is bounded by pgcoord alone: lock_timeout is set for the lock's own
     # statement (0, "until granted", for timeout=None) and put back after it.
-    # ``inline`` also keeps statement_timeout off it (advisory_untimed, three
-    # statements in one simple-protocol message); ``bound`` is one statement, for
-    # the paths that send one (a DO block: lock_timeout only).
+    # ``inline`` also keeps statement_timeout off it (advisory_untimed_*, three
+    # statements in one simple-protocol message, or ``steps`` queued in one psycopg
+    # pipeline sync); ``bound`` is one statement, for the paths that send one (a DO
+    # block: lock_timeout only).
     timeout_ms = 0 if timeout is None else max(1, math.ceil(timeout * 1000))
     single = query("advisory_timeout").format(fn=fn, key=key, timeout_ms=timeout_ms)
-    inline = query("advisory_untimed").format(fn=fn, key=key, timeout_ms=timeout_ms)
-    return LockStatement(inline, single, ())
+    steps = tuple(query(f"advisory_untimed_{step}").format(fn=fn, key=key, timeout_ms=timeout_ms)
+                  for step in ("arm", "lock", "disarm"))
+    return LockStatement(";\n".join(steps), single, (), steps)
 
 
 def exclusive(

@@ -194,3 +194,106 @@ async def test_async_stale_fence_is_stalefence_at_the_call(dsn: str) -> None:
         await pgcoord.check_fence(conn, name, 5)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         await conn.rollback()
+
+
+def _try_elsewhere(dsn: str, key: str) -> bool:
+    """Whether another session can take ``key`` now."""
+    with psycopg.connect(dsn, autocommit=True) as other:
+        row = other.execute("select pg_try_advisory_lock(%s)", (pgcoord.lock_key(key),)).fetchone()
+        other.execute("select pg_advisory_unlock_all()")
+        return bool(row and row[0])
+
+
+def test_a_statement_the_caller_queued_before_does_not_cost_the_lock(dsn: str, locks_in: None) -> None:
+    """libpq reads ACTIVE while a queued statement is unanswered: taken for the
+    caller's transaction, the lock went into psycopg's implicit one and was gone
+    when the body started."""
+    key = unique("pipeline")
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.pipeline():
+        conn.execute("select 1")
+        with pgcoord.exclusive(conn, key):
+            assert not _try_elsewhere(dsn, key)
+        assert conn.info.transaction_status == IDLE
+
+
+async def test_async_a_statement_queued_before_does_not_cost_the_lock_or_the_slot(
+    dsn: str, locks_in: None,
+) -> None:
+    key, name = unique("pipeline"), unique("pipeline-sem")
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn, conn.pipeline():
+        await conn.execute("select 1")
+        async with pgcoord.exclusive(conn, key):
+            assert not _try_elsewhere(dsn, key)
+        await conn.execute("select 1")
+        async with pgcoord.semaphore(conn, name, limit=1):
+            async with await psycopg.AsyncConnection.connect(dsn) as other:
+                with pytest.raises(pgcoord.LockBusy):
+                    async with pgcoord.semaphore(other, name, limit=1, wait=False):
+                        pass
+
+
+@pytest.mark.parametrize("ending", ["sql commit", "sql rollback", "conn.commit()"])
+def test_a_body_that_ends_the_transaction_is_told_so(dsn: str, ending: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    with psycopg.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.PgcoordError, match="ended inside the block"), \
+                pgcoord.exclusive(conn, key):
+            if ending == "conn.commit()":
+                conn.commit()
+            else:
+                conn.execute(ending.removeprefix("sql "))
+        assert conn.info.transaction_status == IDLE
+
+
+async def test_async_a_body_that_commits_with_sql_is_told_so(dsn: str, locks_in: None) -> None:
+    key = unique("pipeline")
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(pgcoord.PgcoordError, match="ended inside the block"):
+            async with pgcoord.exclusive(conn, key):
+                await conn.execute("commit")
+        assert conn.info.transaction_status == IDLE
+
+
+def test_a_failed_statement_the_body_queued_leaves_the_connection_usable(
+    dsn: str, table: str, locks_in: None,
+) -> None:
+    key = unique("pipeline")
+    sql(dsn, f"alter table {table} add primary key (id)")
+    sql(dsn, f"insert into {table} values (1)")
+    with psycopg.connect(dsn) as conn, conn.pipeline():
+        with pytest.raises(Boom), pgcoord.exclusive(conn, key):
+            conn.execute(f"insert into {table} values (1)")  # fails, unanswered yet
+            raise Boom
+        assert not conn.closed
+        assert conn.info.transaction_status == IDLE
+        assert conn.execute("select 7").fetchone() == (7,)
+        conn.commit()
+
+
+@pytest.mark.parametrize("joined", [False, True])
+async def test_statement_timeout_does_not_cut_a_wait_in_pipeline_mode(
+    dsn: str, joined: bool, locks_in: None,
+) -> None:
+    """As outside pipeline mode: the wait is bounded by ``timeout`` alone, and
+    the connection's statement_timeout is in force again afterwards."""
+    key = unique("pipeline")
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as holder, \
+            pgcoord.exclusive(holder, key), \
+            await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute("set statement_timeout = 300")
+        async with conn.pipeline():
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(pgcoord.LockTimeout):
+                if joined:
+                    async with conn.transaction(), pgcoord.exclusive(conn, key, timeout=1.0):
+                        pass
+                else:
+                    async with pgcoord.exclusive(conn, key, timeout=1.0):
+                        pass
+            assert asyncio.get_running_loop().time() - started >= 0.9
+            cur = await conn.execute("show statement_timeout")
+            assert await cur.fetchone() == ("300ms",)
+
+
+class Boom(Exception):
+    pass

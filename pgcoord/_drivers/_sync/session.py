@@ -36,6 +36,12 @@ class SyncTxSession(Protocol):
     @abstractmethod
     def in_transaction(self) -> bool: ...
 
+    def settle(self) -> None:
+        """Wait for the answers to every statement already sent on the connection,
+        so that ``in_transaction()`` tells the truth; their errors are raised. Only
+        a psycopg connection in pipeline mode can have statements unanswered."""
+        return None
+
     @abstractmethod
     def driver_connection(self) -> Any:
         """The driver's connection under ``conn`` once checked out: the asyncpg

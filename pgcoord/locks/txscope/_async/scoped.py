@@ -68,6 +68,11 @@ class AsyncTxScoped(TxScoped):
         if exc_type is not None:
             await self._end_async(session, rollback=True)
             return
+        try:
+            await session.settle()  # the body's statements may still be queued
+        except BaseException:
+            await self._end_async(session, rollback=True)
+            raise
         if not session.in_transaction():
             # The body ended the transaction itself, and so let go of what was taken.
             await self._end_async(session, rollback=True)

@@ -69,6 +69,11 @@ class SyncTxScoped(TxScoped):
         if exc_type is not None:
             self._end_sync(session, rollback=True)
             return
+        try:
+            session.settle()  # the body's statements may still be queued
+        except BaseException:
+            self._end_sync(session, rollback=True)
+            raise
         if not session.in_transaction():
             # The body ended the transaction itself, and so let go of what was taken.
             self._end_sync(session, rollback=True)
