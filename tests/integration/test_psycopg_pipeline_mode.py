@@ -225,11 +225,11 @@ async def test_async_a_statement_queued_before_does_not_cost_the_lock_or_the_slo
         async with pgcoord.exclusive(conn, key):
             assert not _try_elsewhere(dsn, key)
         await conn.execute("select 1")
-        async with pgcoord.semaphore(conn, name, limit=1):
-            async with await psycopg.AsyncConnection.connect(dsn) as other:
-                with pytest.raises(pgcoord.LockBusy):
-                    async with pgcoord.semaphore(other, name, limit=1, wait=False):
-                        pass
+        async with pgcoord.semaphore(conn, name, limit=1), \
+                await psycopg.AsyncConnection.connect(dsn) as other:
+            with pytest.raises(pgcoord.LockBusy):
+                async with pgcoord.semaphore(other, name, limit=1, wait=False):
+                    pass
 
 
 @pytest.mark.parametrize("ending", ["sql commit", "sql rollback", "conn.commit()"])
