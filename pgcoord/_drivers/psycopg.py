@@ -318,8 +318,8 @@ class AsyncOneTrip:
 
     async def rollback(self) -> None:
         if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            with contextlib.suppress(psycopg.Error):
-                async with self.conn.pipeline():  # _drained
+            with contextlib.suppress(psycopg.Error):  # the body's own: see _drained
+                async with self.conn.pipeline():
                     pass
             _drained(self.conn)
         if _in_transaction(self.conn):
@@ -357,7 +357,7 @@ class SyncOneTrip:
 
     def rollback(self) -> None:
         if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            with contextlib.suppress(psycopg.Error), self.conn.pipeline():  # _drained
+            with contextlib.suppress(psycopg.Error), self.conn.pipeline():  # see _drained
                 pass
             _drained(self.conn)
         if _in_transaction(self.conn):
@@ -529,4 +529,3 @@ class SyncPsycopgSession(SyncTxSession):
         conn = self.conn
         if conn is not None:
             sever_sync(conn)
-
