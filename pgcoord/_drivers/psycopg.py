@@ -139,6 +139,20 @@ def _drained(conn: Any) -> None:
         raise psycopg.OperationalError("the connection broke while its pipeline was read")
 
 
+def _pending(conn: Any) -> bool:
+    """Whether statements sent or queued in the connection's pipeline are still
+    unanswered. libpq then reads ACTIVE, whatever the transaction will be once
+    they are read; and psycopg queues its own BEGIN or COMMIT without sending it
+    until the next statement. If psycopg's queue moved, a sync is assumed needed
+    (one round trip)."""
+    if conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        return False
+    if conn.pgconn.transaction_status == TransactionStatus.ACTIVE:
+        return True
+    queue = getattr(getattr(conn, "_pipeline", None), "command_queue", None)
+    return queue is None or bool(queue)
+
+
 def _begin(conn: Any) -> str:
     """The BEGIN psycopg would send, for a pipeline (one statement at a time)."""
     return begin_statement(*_mode(conn))
@@ -385,10 +399,8 @@ class AsyncPsycopgSession(AsyncTxSession):
         return self.conn
 
     async def settle(self) -> None:
-        # libpq reads ACTIVE while a pipeline's results are pending, whatever the
-        # transaction will be once they are read.
         assert self.conn is not None
-        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+        if _pending(self.conn):
             await guard_cancel(self.conn, self._sync_pipeline(), grace=CANCEL_GRACE)
 
     async def _sync_pipeline(self) -> None:
@@ -475,7 +487,7 @@ class SyncPsycopgSession(SyncTxSession):
 
     def settle(self) -> None:
         assert self.conn is not None
-        if self.conn.pgconn.pipeline_status != PipelineStatus.OFF:
+        if _pending(self.conn):
             with self.conn.pipeline():
                 pass
 

@@ -297,3 +297,16 @@ async def test_statement_timeout_does_not_cut_a_wait_in_pipeline_mode(
 
 class Boom(Exception):
     pass
+
+
+def test_a_transaction_block_the_caller_just_opened_is_joined(dsn: str, locks_in: None) -> None:
+    """psycopg queues the BEGIN of ``conn.transaction()`` without sending it: libpq
+    still reads IDLE. The lock must join that transaction, and last as long."""
+    key = unique("pipeline")
+    with psycopg.connect(dsn) as conn, conn.pipeline():
+        with conn.transaction():
+            with pgcoord.exclusive(conn, key):
+                pass
+            assert not _try_elsewhere(dsn, key), "the lock ended before the caller's transaction"
+        assert _try_elsewhere(dsn, key)
+        assert conn.info.transaction_status == IDLE
