@@ -124,3 +124,26 @@ def test_sync_sources_take_one_round_trip_fewer(kind: str, dsn: str, proxy: Free
 
         hand, mine = count(by_hand), count(ours)
     assert mine == hand - OPS, f"pgcoord {mine} round trips, hand-written {hand}, for {OPS} locks"
+
+
+@pytest.mark.parametrize("autocommit", [False, True])
+def test_a_connection_in_pipeline_mode_takes_two_round_trips_per_lock(
+    dsn: str, proxy: FreezableProxy, autocommit: bool,
+) -> None:
+    """One Sync for BEGIN and the lock's statements together, one for COMMIT; the
+    caller's pipeline is read out first only when something in it is unanswered.
+    Without autocommit, two more: psycopg syncs its pipeline to switch autocommit
+    on and back, which pgcoord does so that a body that ends the transaction
+    itself is told so (as outside pipeline mode)."""
+    import psycopg
+
+    with psycopg.connect(proxy.dsn(dsn), autocommit=autocommit) as conn, conn.pipeline():
+        for _ in range(WARM_UP):
+            with pgcoord.exclusive(conn, KEY):
+                pass
+        before = proxy.round_trips
+        for _ in range(OPS):
+            with pgcoord.exclusive(conn, KEY):
+                pass
+        mine = proxy.round_trips - before
+    assert mine == (2 if autocommit else 4) * OPS, f"{mine} round trips for {OPS} locks"
