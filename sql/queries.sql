@@ -170,8 +170,14 @@ previous AS MATERIALIZED (
 SELECT pg_catalog.pg_backend_pid(),
        pg_catalog.array_agg(previous.name ORDER BY previous.name),
        pg_catalog.array_agg(previous.setting ORDER BY previous.name),
-       pg_catalog.count(pg_catalog.set_config(previous.name, previous.wanted, false))
+       pg_catalog.count(pg_catalog.set_config(previous.name, previous.wanted, false)),
+       pg_catalog.pg_is_in_recovery()
 FROM previous
+
+-- name: server_in_recovery
+-- Asked only when the server reported in_hot_standby = on at its last answer: a
+-- standby promoted since reports off only after its next statement.
+SELECT pg_catalog.pg_is_in_recovery()
 
 -- name: holder_give_back
 -- Before a borrowed connection goes back: release every advisory lock of the

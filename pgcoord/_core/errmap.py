@@ -98,7 +98,7 @@ def read_only(exc: BaseException) -> bool:
     for e in _chain(exc):
         if sqlstate(e) == SQLSTATE_READ_ONLY_TRANSACTION or type(e).__name__ == _NO_WRITABLE_HOST_CLASS:
             return True
-        if isinstance(e, PgcoordError) and str(e) == READ_ONLY_MESSAGE:
+        if isinstance(e, PgcoordError) and str(e) in (READ_ONLY_MESSAGE, STANDBY_MESSAGE):
             return True
         if sqlstate(e) is None and any(m in str(e) for m in _NO_WRITABLE_HOST_MESSAGES):
             return True
@@ -113,6 +113,13 @@ READ_ONLY_MESSAGE = (
     "writes its own rows (leases, fences, schedules): set default_transaction_read_only = "
     "off for pgcoord's role (ALTER ROLE ... SET default_transaction_read_only = off), "
     "open the transaction READ WRITE, or connect to the primary")
+
+
+STANDBY_MESSAGE = (
+    "the server is a hot standby (in recovery): PostgreSQL grants advisory locks there, "
+    "but they exclude only the standby's own sessions, not those of the primary, so "
+    "pgcoord takes none. Connect to the primary: a multi-host DSN with "
+    "target_session_attrs=read-write, or the HA manager's address for the leader")
 
 
 def as_schema_missing(exc: BaseException) -> BaseException:

@@ -31,7 +31,8 @@ from .release import release_sync as release_sync
 __all__ = [
     "Adapter", "adapt", "autocommit_retrying", "bounded_async", "bounded_sync", "check_source",
     "driver_of", "fetchval_on",
-    "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "run_statement",
+    "fetchval_on_sync", "find_adapter", "release_async", "release_sync", "reports_hot_standby",
+    "run_statement",
     "tx_session_async", "tx_session_sync",
 ]
 
@@ -72,6 +73,13 @@ async def fetchval_on(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
     """Run one ``$n``-parameter statement on a user's async connection, in whatever
     transaction it is in; the first column of the first row."""
     return await adapt(conn).fetchval_on(conn, sql, params)
+
+
+def reports_hot_standby(conn: Any) -> bool:
+    """Whether the server said, at its last answer on the driver connection ``conn``
+    (a session's ``driver_connection()``), that it is a hot standby; no I/O."""
+    found = None if conn is None else find_adapter(conn)
+    return found is not None and found.reports_hot_standby(conn)
 
 
 def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:

@@ -108,6 +108,12 @@ class Adapter:
         last heard from the server; None where pgcoord cannot tell."""
         return None
 
+    def reports_hot_standby(self, conn: Any) -> bool:
+        """Whether the server said, at its last answer on the driver connection
+        ``conn``, that it is a hot standby (``in_hot_standby``, reported by
+        PostgreSQL 14 and later; a pooler may not pass it on: False then)."""
+        return False
+
     def driver_connection(self, conn: Any) -> Any:
         """The driver's own connection under ``conn`` (the asyncpg ``Connection``
         behind a pool's proxy, the DBAPI connection under a SQLAlchemy one); None

@@ -36,6 +36,9 @@ class AsyncpgAdapter(Adapter):
     driver = "asyncpg"
     __slots__ = ()
 
+    def reports_hot_standby(self, conn: Any) -> bool:
+        return getattr(_raw(conn).get_settings(), "in_hot_standby", None) == "on"
+
     async def fetchval_on(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
         return await conn.fetchval(sql, *params)
 

@@ -56,6 +56,9 @@ class PsycopgAdapter(Adapter):
     driver = "psycopg"
     __slots__ = ()
 
+    def reports_hot_standby(self, conn: Any) -> bool:
+        return bool(conn.info.parameter_status("in_hot_standby") == "on")
+
     async def fetchval_on(self, conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
         async with synced(conn):
             cur = await conn.execute(to_pyformat(sql), params)

@@ -266,6 +266,9 @@ class LockHolder:
             assert row is not None
             conn.backend_pid = int(row[0])
             saved = (list(row[1]), list(row[2]))
+            if row[4]:
+                # Granted there, a session lock would exclude only the standby's sessions.
+                raise PgcoordError(_errmap.STANDBY_MESSAGE)
             if not dedicated:
                 await self._refuse_transaction_pooler(conn)
         except BaseException:

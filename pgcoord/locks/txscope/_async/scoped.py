@@ -15,8 +15,10 @@ from types import TracebackType
 from typing import Any, cast
 
 from ...._core import errmap as _errmap
-from ...._drivers import release_async, tx_session_async
+from ...._core.queries import query
+from ...._drivers import release_async, reports_hot_standby, tx_session_async
 from ...._drivers.base import AsyncTxSession
+from ....errors import PgcoordError
 from ....observability import metrics
 from ..base import TxScoped
 
@@ -36,6 +38,8 @@ class AsyncTxScoped(TxScoped):
             started = asked if self.WAIT_FROM_CALL else time.monotonic()
             try:
                 self._joined = session.in_transaction()
+                if reports_hot_standby(session.driver_connection()):
+                    await self._refuse_standby_async(session)
                 if self._needs_record():
                     await self._record_async(session)
                 if self._joined:
@@ -85,6 +89,14 @@ class AsyncTxScoped(TxScoped):
             await self._end_async(session, rollback=True)
             raise
         await self._end_async(session, rollback=False)
+
+    async def _refuse_standby_async(self, session: AsyncTxSession) -> None:
+        """A lock on a hot standby excludes only the standby's own sessions. The
+        server's report is its last answer's: a standby promoted since says so at
+        its next statement, which this is."""
+        row = await session.run_autocommit(query("server_in_recovery"), ())
+        if row is not None and row[0]:
+            raise PgcoordError(_errmap.STANDBY_MESSAGE)
 
     async def _record_async(self, session: AsyncTxSession) -> None:
         sql, params = self._record_statement()

@@ -16,8 +16,10 @@ from types import TracebackType
 from typing import Any, cast
 
 from ...._core import errmap as _errmap
-from ...._drivers import release_sync, tx_session_sync
+from ...._core.queries import query
+from ...._drivers import release_sync, reports_hot_standby, tx_session_sync
 from ...._drivers.base import SyncTxSession
+from ....errors import PgcoordError
 from ....observability import metrics
 from ..base import TxScoped
 
@@ -37,6 +39,8 @@ class SyncTxScoped(TxScoped):
             started = asked if self.WAIT_FROM_CALL else time.monotonic()
             try:
                 self._joined = session.in_transaction()
+                if reports_hot_standby(session.driver_connection()):
+                    self._refuse_standby_sync(session)
                 if self._needs_record():
                     self._record_sync(session)
                 if self._joined:
@@ -86,6 +90,14 @@ class SyncTxScoped(TxScoped):
             self._end_sync(session, rollback=True)
             raise
         self._end_sync(session, rollback=False)
+
+    def _refuse_standby_sync(self, session: SyncTxSession) -> None:
+        """A lock on a hot standby excludes only the standby's own sessions. The
+        server's report is its last answer's: a standby promoted since says so at
+        its next statement, which this is."""
+        row = session.run_autocommit(query("server_in_recovery"), ())
+        if row is not None and row[0]:
+            raise PgcoordError(_errmap.STANDBY_MESSAGE)
 
     def _record_sync(self, session: SyncTxSession) -> None:
         sql, params = self._record_statement()
