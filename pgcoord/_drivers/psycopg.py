@@ -315,8 +315,10 @@ class AsyncOneTrip:
         # In autocommit psycopg sends no BEGIN of its own, and after the body a
         # transaction the body ended itself stays ended (the block then says so).
         if not self.conn.autocommit:
-            await self.conn.set_autocommit(True)
+            # Marked first: set_autocommit may yield (in pipeline mode it syncs, a
+            # round trip), and a cancellation there may come after the switch.
             self._autocommit_switched = True
+            await self.conn.set_autocommit(True)
         if self.conn.pgconn.pipeline_status == PipelineStatus.OFF:
             await guard_cancel(self.conn, self.conn.execute(_one_message(self.conn, lock),
                                                             prepare=False), grace=0)
@@ -346,7 +348,8 @@ class AsyncOneTrip:
     async def restore_autocommit(self) -> None:
         if self._autocommit_switched:
             self._autocommit_switched = False
-            await self.conn.set_autocommit(False)
+            if self.conn.autocommit:  # not if the switch itself was cut short
+                await self.conn.set_autocommit(False)
 
 
 class SyncOneTrip:
@@ -358,8 +361,8 @@ class SyncOneTrip:
 
     def begin_locked(self, lock: LockStatement) -> None:
         if not self.conn.autocommit:
-            self.conn.autocommit = True
             self._autocommit_switched = True
+            self.conn.autocommit = True
         if self.conn.pgconn.pipeline_status == PipelineStatus.OFF:
             self.conn.execute(_one_message(self.conn, lock), prepare=False)
             return
@@ -384,7 +387,8 @@ class SyncOneTrip:
     def restore_autocommit(self) -> None:
         if self._autocommit_switched:
             self._autocommit_switched = False
-            self.conn.autocommit = False
+            if self.conn.autocommit:
+                self.conn.autocommit = False
 
 
 class AsyncPsycopgSession(AsyncTxSession):
@@ -402,14 +406,14 @@ class AsyncPsycopgSession(AsyncTxSession):
         return self.conn
 
     async def settle(self) -> None:
+        # Not under guard_cancel: what is waited for here is the caller's (or the
+        # body's) own statements, and a cancellation treats them as it would have
+        # had the caller awaited them itself (guard_cancel would close the
+        # connection and leave them running on the server, the lock held).
         assert self.conn is not None
         if _pending(self.conn):
-            await guard_cancel(self.conn, self._sync_pipeline(), grace=CANCEL_GRACE)
-
-    async def _sync_pipeline(self) -> None:
-        assert self.conn is not None
-        async with self.conn.pipeline():
-            pass
+            async with self.conn.pipeline():
+                pass
 
     def in_transaction(self) -> bool:
         return _in_transaction(self.conn)

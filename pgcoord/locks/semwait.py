@@ -90,15 +90,15 @@ class AsyncLaneConn(_LaneConn):
 
         conn = self.conn
         switched = not conn.autocommit
-        if switched:  # no I/O: psycopg then sends no BEGIN
-            await conn.set_autocommit(True)
         try:
+            if switched:  # psycopg then sends no BEGIN (in pipeline mode: a sync)
+                await conn.set_autocommit(True)
             async with synced(conn):
                 cur = await conn.execute(to_pyformat(sql), args or None, prepare=False)
             row = await cur.fetchone() if cur.description else None
             return None if row is None else row[0]
         finally:
-            if switched and not conn.closed:
+            if switched and conn.autocommit and not conn.closed:
                 await conn.set_autocommit(False)
 
     def announced_pid(self) -> int:

@@ -3,7 +3,9 @@
 It runs its own event loop in a thread. ``freeze()`` stops passing bytes in both
 directions without closing anything, as a dropped network or a paused host does.
 It also counts round trips: each time a client speaks after the server has
-answered it (or for the first time) is one.
+answered it (or for the first time) is one. ``latency`` holds every chunk that
+long before passing it on, each way: a slow network, which makes the moments
+inside a round trip wide enough to land a cancellation in.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import threading
 
 
 class FreezableProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, *, latency: float = 0.0) -> None:
         self.target = (target_host, target_port)
+        self.latency = latency
         self.frozen = threading.Event()
         self.round_trips = 0
         self._loop = asyncio.new_event_loop()
@@ -53,6 +56,8 @@ class FreezableProxy:
                 turn[0] = from_client
                 while self.frozen.is_set():  # hold the bytes: the network is silent
                     await asyncio.sleep(0.05)
+                if self.latency:
+                    await asyncio.sleep(self.latency)
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):

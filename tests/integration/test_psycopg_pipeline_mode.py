@@ -10,8 +10,10 @@ psycopg error at some later statement of the caller's, after the body ran).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+from typing import Any
 
 import psycopg
 import pytest
@@ -310,3 +312,40 @@ def test_a_transaction_block_the_caller_just_opened_is_joined(dsn: str, locks_in
             assert not _try_elsewhere(dsn, key), "the lock ended before the caller's transaction"
         assert _try_elsewhere(dsn, key)
         assert conn.info.transaction_status == IDLE
+
+
+@pytest.mark.parametrize("feature", ["exclusive", "semaphore"])
+async def test_a_cancellation_anywhere_in_the_entry_leaves_autocommit_as_it_was(
+    dsn: str, feature: str, locks_in: None,
+) -> None:
+    """In pipeline mode psycopg syncs to switch autocommit: a round trip, which a
+    cancellation can land in after the switch. Swept over the entry's moments,
+    through a network with 20 ms of latency each way."""
+    from .proxy import FreezableProxy
+
+    name = unique("pipeline-cancel")
+    proxy = FreezableProxy("127.0.0.1", int(dsn.rsplit(":", 1)[1].split("/")[0]), latency=0.02)
+    try:
+        for ms in range(0, 260, 13):
+            conn = await psycopg.AsyncConnection.connect(proxy.dsn(dsn))
+            try:
+                async def enter(conn: psycopg.AsyncConnection[Any] = conn) -> None:
+                    async with conn.pipeline():
+                        lock = (pgcoord.semaphore(conn, name, limit=1) if feature == "semaphore"
+                                else pgcoord.exclusive(conn, name))
+                        async with lock:
+                            await asyncio.sleep(0.05)
+
+                task = asyncio.create_task(enter())
+                await asyncio.sleep(ms / 1000)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                if not conn.closed:
+                    assert conn.autocommit is False, f"autocommit left on by a cancel at {ms} ms"
+                    assert conn.info.transaction_status == IDLE
+            finally:
+                await conn.close()
+            assert advisory_locks(dsn) == []
+    finally:
+        proxy.close()
