@@ -18,8 +18,9 @@ from typing import Any, cast
 from ...._core import errmap as _errmap
 from ...._core.queries import query
 from ...._drivers import release_sync, reports_hot_standby, tx_session_sync
+from ...._drivers.adapt import is_pool_timeout
 from ...._drivers.base import SyncTxSession
-from ....errors import PgcoordError
+from ....errors import PgcoordError, PoolExhausted
 from ....observability import metrics
 from ..base import TxScoped
 
@@ -33,8 +34,13 @@ class SyncTxScoped(TxScoped):
             session = self._start(tx_session_sync)
             try:
                 conn = session.checkout()
-            except BaseException:
+            except BaseException as exc:
                 self._session = None  # nothing checked out: it may be entered again
+                if isinstance(exc, Exception) and is_pool_timeout(exc):
+                    raise PoolExhausted(
+                        f"{self.CALL}: the pool lent no connection within its own timeout "
+                        "(every connection in use); give it more, or hold them shorter"
+                    ) from exc
                 raise
             started = asked if self.WAIT_FROM_CALL else time.monotonic()
             try:
