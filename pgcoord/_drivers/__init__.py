@@ -77,9 +77,20 @@ async def fetchval_on(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:
 
 def reports_hot_standby(conn: Any) -> bool:
     """Whether the server said, at its last answer on the driver connection ``conn``
-    (a session's ``driver_connection()``), that it is a hot standby; no I/O."""
-    found = None if conn is None else find_adapter(conn)
-    return found is not None and found.reports_hot_standby(conn)
+    (a session's ``driver_connection()``), that it is a hot standby; no I/O.
+
+    Also for the drivers SQLAlchemy brings that pgcoord has no adapter for: psycopg2
+    (``get_parameter_status``) and pg8000 (``parameter_statuses``)."""
+    if conn is None:
+        return False
+    found = find_adapter(conn)
+    if found is not None:
+        return found.reports_hot_standby(conn)
+    get_status = getattr(conn, "get_parameter_status", None)
+    if callable(get_status):
+        return bool(get_status("in_hot_standby") == "on")
+    statuses = getattr(conn, "parameter_statuses", None)
+    return isinstance(statuses, dict) and statuses.get("in_hot_standby") == "on"
 
 
 def fetchval_on_sync(conn: Any, sql: str, params: tuple[Any, ...]) -> Any:

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from ...._core import errmap as _errmap
 from ...._core.queries import query
-from ...._drivers import release_async, reports_hot_standby, tx_session_async
+from ...._drivers import fetchval_on, release_async, reports_hot_standby, tx_session_async
 from ...._drivers.adapt import is_pool_timeout
 from ...._drivers.base import AsyncTxSession
 from ....errors import PgcoordError, PoolExhausted
@@ -35,10 +35,14 @@ class AsyncTxScoped(TxScoped):
                 conn = await session.checkout()
             except BaseException as exc:
                 self._session = None  # nothing checked out: it may be entered again
-                if isinstance(exc, Exception) and is_pool_timeout(exc):
+                # A builtin TimeoutError is a connect that timed out (pgcoord gives
+                # asyncpg's pool no timeout of its own), not a pool with none to lend.
+                if isinstance(exc, Exception) and not isinstance(exc, TimeoutError) \
+                        and is_pool_timeout(exc):
                     raise PoolExhausted(
-                        f"{self.CALL}: the pool lent no connection within its own timeout "
-                        "(every connection in use); give it more, or hold them shorter"
+                        f"{self.CALL}: the pool lent no connection within its own timeout: "
+                        "every connection was in use, or a new one could not be made in "
+                        "time (the pool's exception, the cause, may say which)"
                     ) from exc
                 raise
             started = asked if self.WAIT_FROM_CALL else time.monotonic()
@@ -99,9 +103,14 @@ class AsyncTxScoped(TxScoped):
     async def _refuse_standby_async(self, session: AsyncTxSession) -> None:
         """A lock on a hot standby excludes only the standby's own sessions. The
         server's report is its last answer's: a standby promoted since says so at
-        its next statement, which this is."""
-        row = await session.run_autocommit(query("server_in_recovery"), ())
-        if row is not None and row[0]:
+        its next statement, which this is (in the caller's transaction when the
+        lock joins it: SQLAlchemy refuses a transaction of pgcoord's own there)."""
+        if self._joined:
+            in_recovery = await fetchval_on(session.conn, query("server_in_recovery"), ())
+        else:
+            row = await session.run_autocommit(query("server_in_recovery"), ())
+            in_recovery = row is not None and row[0]
+        if in_recovery:
             raise PgcoordError(_errmap.STANDBY_MESSAGE)
 
     async def _record_async(self, session: AsyncTxSession) -> None:
