@@ -62,3 +62,32 @@ async def test_an_async_sqlalchemy_engine_with_every_connection_in_use(dsn: str,
                     raise AssertionError("the body ran without a connection")
     finally:
         await engine.dispose()
+
+
+async def test_a_server_that_does_not_answer_is_not_an_exhausted_pool() -> None:
+    """asyncpg's pool has no checkout timeout of its own (pgcoord gives it none): a
+    TimeoutError there is its connect timing out, which says nothing of connections
+    in use."""
+    import asyncio
+    import socket
+
+    import asyncpg
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts, never answers
+    port = listener.getsockname()[1]
+    try:
+        pool = asyncpg.create_pool(f"postgresql://postgres@127.0.0.1:{port}/x",
+                                   min_size=0, max_size=1, timeout=0.5)
+        await pool
+        try:
+            with pytest.raises(TimeoutError) as raised:
+                async with pgcoord.exclusive(pool, unique("silent")):
+                    raise AssertionError("the body ran without a server")
+            assert not isinstance(raised.value, pgcoord.PoolExhausted)
+        finally:
+            pool.terminate()
+            await asyncio.sleep(0)
+    finally:
+        listener.close()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import asyncpg
 import psycopg
 import pytest
+from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import pgcoord
@@ -62,6 +63,22 @@ async def test_async_sources_on_a_standby_are_refused(pair: StandbyPair) -> None
         await engine.dispose()
 
 
+def test_a_lock_in_a_callers_sqlalchemy_transaction_on_a_standby_is_refused(pair: StandbyPair) -> None:
+    """The check then runs in the caller's transaction: SQLAlchemy refuses a
+    transaction of pgcoord's own there."""
+    dsn = pair.standby.dsn
+    engine = create_engine(dsn.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with engine.connect() as conn, conn.begin():
+            with pytest.raises(pgcoord.PgcoordError, match="hot standby"), \
+                    pgcoord.exclusive(conn, unique("standby")):
+                raise AssertionError("the body ran on a standby")
+            assert conn.execute(text("select 1")).scalar() == 1  # the transaction goes on
+    finally:
+        engine.dispose()
+    assert _advisory_locks_on(dsn) == []
+
+
 def test_sync_sources_on_a_standby_are_refused(pair: StandbyPair) -> None:
     dsn = pair.standby.dsn
     key = unique("standby")
@@ -82,6 +99,8 @@ async def test_connections_opened_before_a_promotion_take_locks_after_it(pair: S
     key = unique("standby")
     conn = await asyncpg.connect(dsn)
     aconn = await psycopg.AsyncConnection.connect(dsn)
+    engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+    saconn = await engine.connect()
     try:
         pair.promote()
         # What each connection last heard: a standby, still.
@@ -90,7 +109,13 @@ async def test_connections_opened_before_a_promotion_take_locks_after_it(pair: S
         for source in (conn, aconn):
             async with pgcoord.exclusive(source, key):
                 assert len(_advisory_locks_on(dsn)) == 1
+        # In a caller's transaction that has sent nothing yet (SQLAlchemy's BEGIN
+        # waits for the first statement): the check runs in it, and passes.
+        async with saconn.begin(), pgcoord.exclusive(saconn, key):
+            assert len(_advisory_locks_on(dsn)) == 1
         assert _advisory_locks_on(dsn) == []
     finally:
         await conn.close()
         await aconn.close()
+        await saconn.close()
+        await engine.dispose()
