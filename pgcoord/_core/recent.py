@@ -46,14 +46,6 @@ class RecentSet(Generic[K]):
             while len(self._keys) > self.capacity:
                 self._keys.popitem(last=False)
 
-    def discard(self, key: K) -> None:
-        with self._guard:
-            self._keys.pop(key, None)
-
-    def clear(self) -> None:
-        with self._guard:
-            self._keys.clear()
-
     def __len__(self) -> int:
         with self._guard:  # not mid-way through another thread's add
             return len(self._keys)
