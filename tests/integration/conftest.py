@@ -8,7 +8,9 @@ No test skips for lack of a server: a missing server is an error.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,6 +140,27 @@ def setting_seconds(dsn: str, name: str) -> float | None:
         return None
     value, unit = float(rows[0][0]), rows[0][1]  # type: ignore[arg-type]
     return value / 1000 if unit == "ms" else value
+
+
+@contextlib.contextmanager
+def semaphore_held_in_a_thread(dsn: str, name: str) -> Iterator[threading.Event]:
+    """The one slot of semaphore ``name`` held by another session, on a thread of its
+    own, until the event yielded is set (or the block ends)."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with psycopg.connect(dsn) as conn, pgcoord.semaphore(conn, name, limit=1):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        yield release
+    finally:
+        release.set()
+        thread.join(10)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import pgcoord.locks.semaphores
 from pgcoord._drivers import adapt, driver_of
 from pgcoord._drivers.capacity import pool_capacity
 
-from .conftest import advisory_locks, sql, unique
+from .conftest import advisory_locks, semaphore_held_in_a_thread, sql, unique
 from .sources import ASYNC_CONNS, ASYNC_POOLS, SYNC_CONNS, SYNC_POOLS, open_async, open_sync
 
 KINDS = ASYNC_POOLS + ASYNC_CONNS + SYNC_POOLS + SYNC_CONNS
@@ -315,17 +315,7 @@ async def test_a_semaphore_waiter_gets_the_slot_another_session_frees(
     psycopg's notify handler and socket watch, also under SQLAlchemy)."""
     monkeypatch.setattr(pgcoord.locks.semaphores, "SEMAPHORE_RECHECK", 60.0)
     name = unique("conformance-sem")
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with psycopg.connect(dsn) as conn, pgcoord.semaphore(conn, name, limit=1):
-            held.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert held.wait(10)
+    with semaphore_held_in_a_thread(dsn, name) as release:
         async with opened(kind, dsn) as src:
             with pytest.raises(pgcoord.LockBusy):
                 async with src.semaphore(name, limit=1, wait=False):
@@ -337,9 +327,6 @@ async def test_a_semaphore_waiter_gets_the_slot_another_session_frees(
                 pid = await src.pid(conn)
             assert 0.1 < waited < 5, waited
             assert locks_of(dsn, pid) == []
-    finally:
-        release.set()
-        thread.join(10)
 
 
 # -- check_fence ---------------------------------------------------------------------------

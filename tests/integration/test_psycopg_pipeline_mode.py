@@ -20,7 +20,7 @@ import pytest
 
 import pgcoord
 
-from .conftest import advisory_locks, sql, unique
+from .conftest import advisory_locks, semaphore_held_in_a_thread, sql, unique
 
 IDLE = psycopg.pq.TransactionStatus.IDLE
 
@@ -131,8 +131,10 @@ async def test_a_full_semaphore_is_lockbusy_and_a_release_wakes_nobody_in_error(
 
 
 async def test_a_semaphore_waiter_in_pipeline_mode_gets_the_slot_on_release(
-    dsn: str, locks_in: None,
+    dsn: str, locks_in: None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Only the release's wake can hand the slot over within the test's bound.
+    monkeypatch.setattr(pgcoord.locks.semaphores, "SEMAPHORE_RECHECK", 60.0)
     name = unique("pipeline-sem")
     got = asyncio.Event()
 
@@ -151,29 +153,16 @@ async def test_a_semaphore_waiter_in_pipeline_mode_gets_the_slot_on_release(
 
 
 def test_sync_semaphore_waiter_in_pipeline_mode_gets_the_slot_on_release(
-    dsn: str, locks_in: None,
+    dsn: str, locks_in: None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(pgcoord.locks.semaphores, "SEMAPHORE_RECHECK", 60.0)  # as above
     name = unique("pipeline-sem")
-    held = threading.Event()
-    release = threading.Event()
-
-    def holder() -> None:
-        with psycopg.connect(dsn) as conn, pgcoord.semaphore(conn, name, limit=1):
-            held.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert held.wait(10)
+    with semaphore_held_in_a_thread(dsn, name) as release:
         threading.Timer(0.5, release.set).start()
         with psycopg.connect(dsn) as conn, conn.pipeline():
             with pgcoord.semaphore(conn, name, limit=1, timeout=20):
                 assert release.is_set(), "the slot was given while the holder still had it"
             assert conn.info.transaction_status == IDLE
-    finally:
-        release.set()
-        thread.join(10)
 
 
 def test_sync_stale_fence_is_stalefence_at_the_call(dsn: str) -> None:
