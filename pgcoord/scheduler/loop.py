@@ -460,17 +460,25 @@ class Scheduler:
         # Not for a schedule whose jitter wait is on (its task decides it and wakes
         # the loop) nor one whose next slot waits for a run still going (the run's
         # end wakes the loop): their next_due is past, and would spin it.
-        waiting = self._claims.waiting
+        # Nor one whose previous run's end is being recorded (the record wakes it).
+        waiting, recording = self._claims.waiting, self._runs.recording()
         specs: Iterable[Job] = self._specs.values()
-        if waiting or len(self._jitters):
+        if waiting or recording or len(self._jitters):
             specs = [s for s in specs
-                     if not self._jitters.busy(s.name) and waiting.get(s.name) != s.next_due]
+                     if not self._jitters.busy(s.name) and waiting.get(s.name) != s.next_due
+                     and not (s.name in recording and s.next_due is not None and s.next_due <= now)]
         return plan.next_wake(specs, now, self._max_sleep)
 
     async def _decide_due(self, now: dt.datetime) -> None:
         """Decide what is due now; a jittered schedule's slots are decided by a task of
         its own after its wait (``jitter``), never in the tick."""
         plain, jittered = plan.due(self._specs.values(), now)
+        # A job that must not overlap whose last run here has ended, but whose end is
+        # not recorded yet (a slow statement, a row lock), is decided after the record
+        # is in: deciding it now would find the slot still running and skip the next one.
+        recording = self._runs.recording()
+        if recording:
+            plain = [s for s in plain if s.allow_overlap or s.name not in recording]
         await self._decide(plain, now)
         for spec in jittered:
             self._jitters.start(spec)
@@ -482,6 +490,12 @@ class Scheduler:
         spec = self._specs.get(name)
         if self._draining or spec is None or not spec.jitter:
             return
+        if not spec.allow_overlap and (ended := self._runs.recording().get(name)):
+            # As in a tick: after the last run's record, which is bounded.
+            await asyncio.wait(ended)
+            spec = self._specs.get(name)
+            if self._draining or spec is None or not spec.jitter:
+                return
         now = await self._now()
         if spec.next_due is not None and spec.next_due <= now:
             await self._decide([spec], now)

@@ -60,6 +60,17 @@ class Runs(SlotRunner):
         ended and its end is recorded."""
         await self._execute(Run(spec, slot, claim_tenure(spec, slot, sent), runner))
 
+    def recording(self) -> dict[str, list[asyncio.Task[None]]]:
+        """The runs whose body has ended and whose end is on its way to the database,
+        by job: the database still says the slot is running. The job's next slot is
+        decided once the record is in (the run's end wakes the loop), not skipped as
+        an overlap of a run that is over."""
+        ended: dict[str, list[asyncio.Task[None]]] = {}
+        for run in self._running.values():
+            if run.body is not None and run.body.done() and run.task is not None:
+                ended.setdefault(run.spec.name, []).append(run.task)
+        return ended
+
     def tasks(self) -> list[asyncio.Task[None]]:
         return [run.task for run in self._running.values() if run.task is not None]
 
