@@ -10,7 +10,7 @@
 -- (tests/integration/test_lease_terms_attacks.py). Two prunes must meet for a
 -- conflict, so pruning 16 times less often makes it about 256 times rarer; a name
 -- then holds at most kept + 127 terms while only serializable transactions take it.
--- Any other takeover of the name prunes it back to kept + 7.
+-- A takeover at another isolation level prunes it back to kept + 7.
 
 CREATE OR REPLACE FUNCTION pgcoord.lease_terms_record()
  RETURNS trigger
@@ -99,8 +99,8 @@ BEGIN
         -- Retention: the last `kept` fences of this name (fences grow by one per
         -- term), pruned every 8th fence, 8 terms at a time (an index range on the
         -- primary key), so a name holds at most kept + 7 terms. In a serializable
-        -- transaction (a caller's own: pgcoord's sessions are read committed) only
-        -- every 128th fence, so at most kept + 127: the range takes predicate locks
+        -- transaction (a caller's, or a Lease's on a pool under a serializable
+        -- default) only every 128th fence, so at most kept + 127: the range takes predicate locks
         -- on the index pages it reads, and two prunes of different names that meet
         -- on one page fail one of the takeovers (40001). Two prunes meet in
         -- proportion to the square of how often they run.
