@@ -379,20 +379,28 @@ def test_backs_off_while_a_demoted_primary_is_read_only(run: Run) -> None:
     # What the servers see of the replicas' retries while no node takes writes: the
     # sessions opened on either node (pg_stat_database), less the probes' own, per
     # replica process (RETRY_BOUND says what it holds and what it would catch).
+    # A spell is a run of probes in which no node takes writes and the same nodes answer
+    # (the demoted primary may be down, restarting as a standby, for much of the outage
+    # on a loaded machine: the replicas' sessions then go to the nodes that answer).
     outcome = _outcome(run, "dcs-loss")
     spells: list[list[tuple[float, dict[str, tuple[bool, int]]]]] = [[]]
     for at, states in outcome.probes:
         answered = {n: s for n, s in states.items() if s is not None}
-        steady = len(answered) == len(states) and all(s[0] for s in answered.values())
-        if steady and spells[-1] and any(s[1] < spells[-1][-1][1][n][1] for n, s in answered.items()):
-            spells.append([])  # a node restarted: its counter began again
+        steady = bool(answered) and all(s[0] for s in answered.values())
+        if steady and spells[-1] and (
+                answered.keys() != spells[-1][-1][1].keys()
+                or any(s[1] < spells[-1][-1][1][n][1] for n, s in answered.items())):
+            spells.append([])  # another node answers, or one restarted: its counter began again
         if steady:
             spells[-1].append((at, answered))
         elif spells[-1]:
             spells.append([])
     spell = max(spells, key=len)
     # The premise: Patroni demoted the primary, for a good part of the outage.
-    assert len(spell) >= 4 and spell[-1][0] - spell[0][0] >= 3, outcome.probes
+    seen = " ".join(f"{at - outcome.started:.0f}s:" + ",".join(
+        f"{n}={'-' if st is None else 'ro' if st[0] else 'rw'}" for n, st in states.items())
+        for at, states in outcome.probes)
+    assert len(spell) >= 4 and spell[-1][0] - spell[0][0] >= 3, seen
     (t0, first), (t1, last) = spell[0], spell[-1]
     probes = len(first) * (len(spell) - 1)
     opened = sum(last[n][1] - first[n][1] for n in first) - probes
