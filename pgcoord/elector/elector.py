@@ -550,28 +550,30 @@ class Elector:
                         "the row is free", self.name, fence, bound)
 
     async def _resign(self, fence: int, rang: bool, bound: float) -> None:
-        """Release the row first, then the doorbell, so a follower woken by the bell
-        finds the row free. On a member's session followers are woken by the row's
-        NOTIFY instead, so there the bell goes first and the row's news finds it
-        free (we no longer lead either way: nobody may think so from here on)."""
+        """Release the row first, then the doorbell, so that nobody can take the row
+        from under the release: lease_acquire takes over a row whose holder's session
+        no longer holds its doorbell, and with the bell let go first (as on a member's
+        session it was) a follower that rang in between took the row over, the
+        release matched nothing, and the release was told to no watcher (a watch()
+        saw the new leader only). A follower woken by the release's NOTIFY that finds
+        the bell still held is woken again by the poke, which comes after both (we no
+        longer lead either way: nobody may think so from here on)."""
         # No asyncio.timeout() here: finish_despite_cancel bounds this (see _aio).
-        bell_first = self._member is not None
+        on_member = self._member is not None
         bell = self._bell
         try:
-            if not bell_first and not self._watchers:
+            if not on_member and not self._watchers:
                 # Our own release is news to nobody here: stop listening first, so
                 # that the release is not told to this session alone.
                 await self._tune_news(leading=False)
-            if rang and bell_first and bell is not None:
-                await bell.unring()
             # On a member's shared session no wait may be long (see member_session).
             wait = bound if self._member is None else min(bound, 0.5)
             await self._call(query("lease_release_bounded"), self.name, self.holder, fence,
                              lock_timeout_setting(wait))
-            if bell_first:
-                await self._poke_candidates()
-            if rang and not bell_first and bell is not None:
+            if rang and bell is not None:
                 await bell.unring()
+            if on_member:
+                await self._poke_candidates()
         except Exception as exc:
             # Closing the session releases the doorbell; the row's session is then
             # gone, so a follower may take over without waiting out the ttl. On a

@@ -15,8 +15,10 @@ Rules that hold by construction:
   row is ours (the take is then undone, never handed out valid).
 - A doorbell rung on a member's session is dropped on every way out of the attempt
   that rang it, cancellation included, unless the attempt hands it to its tenure.
-- A graceful release on a member's session lets go of the doorbell first, awaited,
-  and then of the row, whose notification wakes the waiters: they find both free.
+- A graceful release of a ``Lease`` on a member's session lets go of the doorbell
+  first, awaited, and then of the row, whose notification wakes the waiters: they find
+  both free. An ``Elector`` releases the row first on any session (see its ``_resign``:
+  a follower that rang in between took the row over, and the release went untold).
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import psycopg
 import pytest
 
 import pgcoord
+from pgcoord._core.queries import query
 from pgcoord.elector import LeaderChanged, request_resign
 
 from .conftest import sql
@@ -169,6 +171,58 @@ async def test_watch_sees_every_change_of_leader(dsn: str) -> None:
         await until(lambda: len(leaders(reps)) == 1, 3)
         assert new.fence == fence + 1 and new.holder == leaders(reps)[0].elector.holder
         assert [c.fence for c in seen if c.fence > fence] == [fence + 1]
+
+
+async def test_a_stop_is_told_though_the_doorbell_is_taken_at_once(dsn: str) -> None:
+    # A contender blocked on the leader's doorbell takes the lease the moment it gets
+    # the bell (lease_acquire takes over a row whose holder's session no longer holds
+    # its doorbell). The stopping leader must have released the row by then: else the
+    # contender takes the row from it, the release finds nothing and tells nothing,
+    # and watchers never see the old leader go (CI: 1 run in ~100 under load).
+    async with replicas(dsn, 2, ttl=30) as reps:
+        await until(lambda: len(leaders(reps)) == 1 and leaders(reps)[0].terms, 10)
+        watcher = next(r for r in reps if not r.elector.is_leader)
+        changes = watcher.elector.watch()
+        await until(lambda: "pgcoord_leases" in watcher.member._listening, 5)
+        old = leaders(reps)[0]
+        name, fence = old.elector.name, old.terms[-1]
+        taken: list[object] = []
+
+        def contend() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("""
+                    CREATE FUNCTION pg_temp.ring_then_take(lease text) RETURNS bigint
+                        LANGUAGE plpgsql AS $$
+                        BEGIN
+                            PERFORM pg_catalog.pg_advisory_lock(pgcoord.lease_doorbell_key(lease));
+                            RETURN (SELECT a.fence FROM pgcoord.lease_acquire(
+                                lease, 'contender', 30000, pg_catalog.pg_backend_pid()) AS a);
+                        END $$""")
+                row = conn.execute("SELECT pg_temp.ring_then_take(%s)", (name,)).fetchone()
+                taken.append(row[0] if row else None)
+
+        contender = threading.Thread(target=contend, daemon=True)
+        contender.start()
+        await until(lambda: sql(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                                     "AND NOT granted AND objsubid = 1 AND ((classid::bigint << 32) "
+                                     "| objid::bigint) = pgcoord.lease_doorbell_key(%s)", name) == [(1,)], 5)
+        # A loaded machine: the release comes a while after the statement before it.
+        call = old.elector._call
+
+        async def slowly(statement: str, *args: object) -> object:
+            if statement == query("lease_release_bounded"):
+                await asyncio.sleep(0.2)
+            return await call(statement, *args)
+
+        old.elector._call = slowly  # type: ignore[method-assign]
+        await old.elector.stop()
+        seen: list[LeaderChanged] = []
+        async with asyncio.timeout(3):
+            while not any(c.holder is not None and c.fence == fence + 1 for c in seen):
+                seen.append(await changes.__anext__())
+        await asyncio.to_thread(contender.join, 5)
+        assert taken == [fence + 1]  # the contender took over, at once
+        assert seen == [LeaderChanged(None, fence), LeaderChanged("contender", fence + 1)]
 
 
 async def test_healthy_is_false_while_a_stepped_down_lead_still_runs(dsn: str) -> None:
