@@ -475,23 +475,26 @@ class Lease:
         if renewer is not None:
             renewer.cancel()
             await asyncio.wait({renewer})  # its outcome is not ours to raise
-        # The bell first, awaited, then the row: the row's release is what wakes a
-        # waiting member (its NOTIFY), and it must then find the bell free too.
+        # The row first, then the bell, then the poke. lease_acquire takes over a row
+        # whose holder's session no longer holds its doorbell: with the bell let go
+        # first, a waiter that rang in between took the row from under the release,
+        # which then matched nothing (no release told, the term recorded as taken
+        # over). Waiters woken by the poke find both free.
+        if fence is not None:
+            await self._release_row(fence, bound, statement)
         if bell is not None:
             try:
                 await bell.unring()
             except Exception as exc:  # the session is gone, or busy past its bound
                 log.info("lease %r: letting go of its doorbell failed (%r); left to the member",
                          self.name, exc)
-        if fence is not None:
-            await self._release_row(fence, bound, statement)
-            if self._member is not None:
-                # Waiters on members listen to nothing: wake them (Member.stand).
-                try:
-                    await self._row("lease_poke", self.name, via=statement)
-                except Exception as exc:
-                    log.info("lease %r: waking its waiters failed (%r); they look every ttl/3",
-                             self.name, exc)
+        if fence is not None and self._member is not None:
+            # Waiters on members listen to nothing: wake them (Member.stand).
+            try:
+                await self._row("lease_poke", self.name, via=statement)
+            except Exception as exc:
+                log.info("lease %r: waking its waiters failed (%r); they look every ttl/3",
+                         self.name, exc)
 
     async def __aenter__(self) -> int:
         fence = await self.acquire()

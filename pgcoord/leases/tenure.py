@@ -15,10 +15,10 @@ Rules that hold by construction:
   row is ours (the take is then undone, never handed out valid).
 - A doorbell rung on a member's session is dropped on every way out of the attempt
   that rang it, cancellation included, unless the attempt hands it to its tenure.
-- A graceful release of a ``Lease`` on a member's session lets go of the doorbell
-  first, awaited, and then of the row, whose notification wakes the waiters: they find
-  both free. An ``Elector`` releases the row first on any session (see its ``_resign``:
-  a follower that rang in between took the row over, and the release went untold).
+- A graceful release, of a ``Lease`` or an ``Elector``'s term, lets go of the row
+  first, then of the doorbell, then pokes the waiters on members: while the bell is
+  held nobody may take the row over, and a waiter that rang between a bell let go of
+  first and the row's release took the row from under it (the release went untold).
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ never while it lives."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
 import asyncpg
+import psycopg
 import pytest
 
 import pgcoord
@@ -91,5 +93,57 @@ async def test_a_member_lease_releases_its_doorbell_with_the_lease(dsn: str) -> 
                 while sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and pid = %s"
                                " and objsubid = 1", pid) != [(0,)]:
                     await asyncio.sleep(0.02)
+    finally:
+        await pool.close()
+
+
+def ring_then_take(dsn: str, name: str, taken: list[object]) -> None:
+    """A contender blocked on the lease's doorbell that takes the lease over the moment
+    it gets the bell (lease_acquire takes over a row whose holder's session no longer
+    holds its doorbell), in one call: no client round trip in between."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("""
+            CREATE FUNCTION pg_temp.ring_then_take(lease text) RETURNS bigint
+                LANGUAGE plpgsql AS $$
+                BEGIN
+                    PERFORM pg_catalog.pg_advisory_lock(pgcoord.lease_doorbell_key(lease));
+                    RETURN (SELECT a.fence FROM pgcoord.lease_acquire(
+                        lease, 'contender', 30000, pg_catalog.pg_backend_pid()) AS a);
+                END $$""")
+        row = conn.execute("SELECT pg_temp.ring_then_take(%s)", (name,)).fetchone()
+        taken.append(row[0] if row else None)
+
+
+async def test_a_release_is_recorded_though_the_doorbell_is_taken_at_once(dsn: str) -> None:
+    """A release lets go of the row before the doorbell: else a contender waiting on
+    the bell takes the row over from under it, the release matches nothing, and the
+    term is recorded as taken over (no release told to anyone)."""
+    name = f"lease-bell-order:{uuid.uuid4().hex[:6]}"
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    try:
+        async with pgcoord.Member(dsn, group=f"g-{uuid.uuid4().hex[:6]}", ttl=30) as m:
+            held = pgcoord.Lease(pool, name, ttl=30, member=m)
+            fence = await held.acquire()
+            taken: list[object] = []
+            contender = threading.Thread(target=ring_then_take, args=(dsn, name, taken), daemon=True)
+            contender.start()
+            async with asyncio.timeout(5):
+                while sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and not granted"
+                               " and objsubid = 1 and ((classid::bigint << 32) | objid::bigint)"
+                               " = pgcoord.lease_doorbell_key(%s)", name) != [(1,)]:
+                    await asyncio.sleep(0.01)
+            row = held._row
+
+            async def slowly(statement: str, *params: object, via: object = None) -> object:
+                if statement == "lease_release_bounded":
+                    await asyncio.sleep(0.2)  # a loaded machine: the release comes late
+                return await row(statement, *params, via=via)  # type: ignore[arg-type]
+
+            held._row = slowly  # type: ignore[method-assign]
+            await held.release()
+            await asyncio.to_thread(contender.join, 5)
+            assert taken == [fence + 1]
+            assert sql(dsn, "select ended_how from pgcoord.lease_terms where name = %s and fence = %s",
+                       name, fence) == [("released",)]
     finally:
         await pool.close()
