@@ -297,6 +297,13 @@ class Member:
             if not self.polling:
                 self._ring.use(await self._open_session("/watch"))
         except BaseException:
+            if self.id is not None:
+                # Joined, but cut short before it was done (close() while the member
+                # joins again, a watcher session that would not open): say goodbye on
+                # the session that joined. Dropped unmarked, the row was a dead member
+                # nobody had told, found later by any reap and told as 'crashed'.
+                with contextlib.suppress(Exception):
+                    await finish_despite_cancel(self._leave())
             await finish_despite_cancel(self._drop_sessions())
             raise
         self._channels.new_session()
