@@ -684,8 +684,15 @@ class Member:
             self._ring.retarget()
             return
         if not initial or old:
+            unrecorded = set(ring)
             for member_id, info in old.items():
-                if member_id not in fresh:
+                if member_id not in fresh and member_id in unrecorded:
+                    # Its session has ended, but its row is not marked yet: told once it
+                    # is, with the reason it records (the NOTIFY of whoever marks it, or
+                    # a later read), not before with a guess. The ring (rows whose death
+                    # is not recorded) still lists it, so a watcher reaps it at once.
+                    self._view[member_id] = info
+                elif member_id not in fresh:
                     # Gone without news reaching us (we poll, or our session was
                     # away): the tombstone says why, for a minute.
                     self._emit(MemberLeft(info, _as_reason(gone.get(str(member_id), "crashed"))))
