@@ -45,16 +45,18 @@ SELECT pgcoord.member_reap_dead()
 SELECT pgcoord.member_beat($1, $2)
 
 -- name: member_state
--- Every live member's id (the watcher ring spans all groups, so that every
--- death is seen by someone; members behind a pooler hold no alive lock to wait
--- for, and are judged by their heartbeats instead), the live members of group $1, and why its recent
+-- The ring (the watcher ring spans all groups, so that every death is seen by
+-- someone; members behind a pooler hold no alive lock to wait for, and are judged
+-- by their heartbeats instead), the live members of group $1, and why its recent
 -- departures left (for members that poll); as JSON so that every driver
--- returns the same shape.
+-- returns the same shape. The ring is every member with a session whose death is
+-- not recorded yet, as member_ring reads it: a member leaves the ring (and is told
+-- to the on_member_left hooks) only once its row says why it left.
 WITH live AS MATERIALIZED (SELECT * FROM pgcoord.members),
      grp AS (SELECT $1::text AS name)
 SELECT pg_catalog.json_build_object(
-    'ring', coalesce((SELECT pg_catalog.json_agg(l.id ORDER BY l.id) FROM live AS l
-                      WHERE l.has_session), '[]'),
+    'ring', coalesce((SELECT pg_catalog.json_agg(m.id ORDER BY m.id) FROM pgcoord.member_sessions AS m
+                      WHERE m.left_at IS NULL AND m.has_session), '[]'),
     'peers', coalesce((
         SELECT pg_catalog.json_agg(pg_catalog.json_build_object(
                    'id', m.id, 'name', m.name, 'group', m."group", 'meta', m.meta,
@@ -97,17 +99,26 @@ WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.pid = pg_catalog.pg_backe
 SELECT pg_catalog.pg_sleep($1) /* pgcoord:member_idle */
 
 -- name: member_ring
--- Every live member with a session, in ring order (as member_state's 'ring').
-SELECT coalesce(pg_catalog.json_agg(l.id ORDER BY l.id), '[]')::text
-FROM pgcoord.members AS l WHERE l.has_session
+-- Every member with a session whose death is not recorded yet, in ring order (as
+-- member_state's 'ring' and member_beat's), from the rows alone. Not the live members
+-- (pgcoord.members, pg_locks): a member whose session had just ended dropped out of
+-- that ring before anyone marked its row, and the watcher that read it told the
+-- on_member_left hooks of a death whose row still had no left_reason (a watcher woken
+-- from member_idle just after its new successor was killed; the reap that recorded
+-- 'crashed' committed milliseconds later). A dead member not yet marked stays in
+-- the ring: the watcher before it is granted its lock at once, and reaps it.
+SELECT coalesce(pg_catalog.json_agg(m.id ORDER BY m.id), '[]')::text
+FROM pgcoord.member_sessions AS m WHERE m.left_at IS NULL AND m.has_session
 
 -- name: member_left_reasons
 -- Why the members $1 (an array of ids) are gone, as their rows say: a watcher that
 -- found its target marked by another watcher tells its own member the row's reason
--- (a crash is not a goodbye). A JSON object id -> reason; a row already swept is absent.
-SELECT coalesce(pg_catalog.json_object_agg(m.id, m.left_reason), '{}')::text
+-- (a crash is not a goodbye). A JSON object id -> reason; null for a row not marked
+-- yet (its death is not told until it is); a row already swept is absent.
+SELECT coalesce(pg_catalog.json_object_agg(
+           m.id, CASE WHEN m.left_at IS NOT NULL THEN m.left_reason END), '{}')::text
 FROM pgcoord.member_sessions AS m
-WHERE m.id = ANY (CAST($1 AS integer[])) AND m.left_at IS NOT NULL
+WHERE m.id = ANY (CAST($1 AS integer[]))
 
 -- name: member_settle
 -- After the members $1 (an array of ids) were found dead: wake the candidates of the leases its session

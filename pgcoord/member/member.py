@@ -297,6 +297,13 @@ class Member:
             if not self.polling:
                 self._ring.use(await self._open_session("/watch"))
         except BaseException:
+            if self.id is not None:
+                # Joined, but cut short before it was done (close() while the member
+                # joins again, a watcher session that would not open): say goodbye on
+                # the session that joined. Dropped unmarked, the row was a dead member
+                # nobody had told, found later by any reap and told as 'crashed'.
+                with contextlib.suppress(Exception):
+                    await finish_despite_cancel(self._leave())
             await finish_despite_cancel(self._drop_sessions())
             raise
         self._channels.new_session()
@@ -677,8 +684,15 @@ class Member:
             self._ring.retarget()
             return
         if not initial or old:
+            unrecorded = set(ring)
             for member_id, info in old.items():
-                if member_id not in fresh:
+                if member_id not in fresh and member_id in unrecorded:
+                    # Its session has ended, but its row is not marked yet: told once it
+                    # is, with the reason it records (the NOTIFY of whoever marks it, or
+                    # a later read), not before with a guess. The ring (rows whose death
+                    # is not recorded) still lists it, so a watcher reaps it at once.
+                    self._view[member_id] = info
+                elif member_id not in fresh:
                     # Gone without news reaching us (we poll, or our session was
                     # away): the tombstone says why, for a minute.
                     self._emit(MemberLeft(info, _as_reason(gone.get(str(member_id), "crashed"))))

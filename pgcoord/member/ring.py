@@ -298,20 +298,34 @@ class RingWatch:
             log.warning("member %r: settling member %d's death failed: %r", self._name, target, exc)
             dead = {target: None}
         unknown = sorted(i for i, why in dead.items() if why is None and i in self.ids)
+        #: Dead, but their rows not marked yet: not told (see below).
+        unrecorded: set[int] = set()
         if unknown:
             # Marked by someone else (another watcher's reap, a sweep, its own goodbye):
             # the row says why. Guessing "left" told a crash as a goodbye whenever our
             # own news of it had not come first.
             try:
-                dead.update({int(i): why for i, why in
-                             json.loads(await self._call(query("member_left_reasons"), unknown)).items()})
+                reasons = json.loads(await self._call(query("member_left_reasons"), unknown))
             except SessionLost:
                 raise
             except Exception as exc:
                 log.warning("member %r: reading why members %s left failed: %r", self._name, unknown, exc)
-        # Move on past the dead at once.
+                unrecorded.update(unknown)
+            else:
+                for i, why in reasons.items():
+                    if why is None:
+                        unrecorded.add(int(i))
+                    else:
+                        dead[int(i)] = why
+        # Move on past the dead at once, but only past those whose death is recorded.
+        # A target whose row is not marked yet (our reap failed: another reaper holds
+        # the row and marks it in a moment, or an operator holds it) is not told: it
+        # used to be told as "left" before its row said anything. It stays in the ring
+        # (member_ring lists it until it is marked): the next round is granted its lock
+        # at once, and reaps it or finds it marked and reads why. (A row already swept,
+        # a minute after it was marked, can say nothing more.)
         for member_id, reason in dead.items():
-            if member_id in self.ids:
+            if member_id in self.ids and member_id not in unrecorded:
                 self._told_dead(member_id, reason or "left")
 
     async def read(self) -> set[int]:

@@ -293,6 +293,39 @@ async def test_the_ring_spans_groups_so_a_lone_member_s_death_is_still_told(dsn:
             ("crashed",)]
 
 
+async def test_a_death_is_told_only_once_its_row_says_why(dsn: str) -> None:
+    # While a transaction holds x's row nobody can mark it gone, so x's death is not
+    # recorded: y must not be told of it, however often its watcher is woken (here:
+    # cancelled in the reap that waits for the row, as a poke cancels it). Before, y's
+    # watcher told it from a ring read of the live members (pg_locks), or as "left"
+    # when its own reap could not mark the row; the row said why only later, or never.
+    async with (
+        pgcoord.Member(dsn, group=group(), name="y", ttl=30) as y,
+        pgcoord.Member(dsn, group=group(), name="x", ttl=30) as x,
+    ):
+        heard: asyncio.Queue[int] = asyncio.Queue()
+        y.on_member_left(heard.put_nowait)
+        old_x, watcher = x.id, y._ring.session
+        assert x._main is not None and watcher is not None
+        with psycopg.connect(dsn) as holder:
+            holder.execute("select 1 from pgcoord.member_sessions where id = %s for update", (old_x,))
+            sql(dsn, "select pg_terminate_backend(%s)", x._main.backend_pid)
+            # y's watcher is granted x's lock and waits for the row in its reap.
+            async with asyncio.timeout(5):
+                while not sql(dsn, "select 1 from pg_stat_activity where pid = %s and wait_event_type = 'Lock'"
+                                   " and wait_event in ('transactionid', 'tuple')", watcher.backend_pid):
+                    assert heard.empty(), "told before the death was recorded"
+                    await asyncio.sleep(0.02)
+            sql(dsn, "select pg_cancel_backend(%s)", watcher.backend_pid)
+            await asyncio.sleep(1.5)  # y's own reap gives up on the row after 500 ms
+            assert heard.empty(), "told before the death was recorded"
+            assert sql(dsn, "select left_at from pgcoord.member_sessions where id = %s", old_x) == [(None,)]
+            holder.rollback()
+        assert await asyncio.wait_for(heard.get(), 3.0) == old_x
+        assert sql(dsn, "select left_reason from pgcoord.member_sessions where id = %s", old_x) == [
+            ("crashed",)]
+
+
 @pytest.fixture
 def own_server() -> Iterator[object]:
     from pgcoord._core.embedded import EmbeddedServer
