@@ -478,8 +478,8 @@ class Lease:
         # The row first, then the bell, then the poke. lease_acquire takes over a row
         # whose holder's session no longer holds its doorbell: with the bell let go
         # first, a waiter that rang in between took the row from under the release,
-        # which then matched nothing (no release told, the term recorded as taken
-        # over). Waiters woken by the poke find both free.
+        # which then matched nothing (no release told, the term recorded as ended
+        # by that takeover). Waiters woken by the poke find both free.
         if fence is not None:
             await self._release_row(fence, bound, statement)
         if bell is not None:
