@@ -142,6 +142,31 @@ def setting_seconds(dsn: str, name: str) -> float | None:
     return value / 1000 if unit == "ms" else value
 
 
+def ring_then_take(dsn: str, name: str, taken: list[object]) -> None:
+    """A contender blocked on the lease's doorbell that takes the lease over the moment
+    it gets the bell (lease_acquire takes over a row whose holder's session no longer
+    holds its doorbell), in one call: no client round trip in between. Its fence (or
+    None) is appended to `taken`. Run it in a thread."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("""
+            CREATE FUNCTION pg_temp.ring_then_take(lease text) RETURNS bigint
+                LANGUAGE plpgsql AS $$
+                BEGIN
+                    PERFORM pg_catalog.pg_advisory_lock(pgcoord.lease_doorbell_key(lease));
+                    RETURN (SELECT a.fence FROM pgcoord.lease_acquire(
+                        lease, 'contender', 30000, pg_catalog.pg_backend_pid()) AS a);
+                END $$""")
+        row = conn.execute("SELECT pg_temp.ring_then_take(%s)", (name,)).fetchone()
+        taken.append(row[0] if row else None)
+
+
+def doorbell_waiters(dsn: str, name: str) -> int:
+    """How many sessions wait on the lease's doorbell."""
+    return int(sql(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                        " AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint)"
+                        " = pgcoord.lease_doorbell_key(%s)", name)[0][0])  # type: ignore[call-overload]
+
+
 @contextlib.contextmanager
 def semaphore_held_in_a_thread(dsn: str, name: str) -> Iterator[threading.Event]:
     """The one slot of semaphore ``name`` held by another session, on a thread of its

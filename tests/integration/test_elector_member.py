@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import psycopg
 import pytest
 
 import pgcoord
 from pgcoord._core.queries import query
 from pgcoord.elector import LeaderChanged, request_resign
 
-from .conftest import sql
+from .conftest import doorbell_waiters, ring_then_take, sql
 
 
 class Replica:
@@ -188,24 +187,9 @@ async def test_a_stop_is_told_though_the_doorbell_is_taken_at_once(dsn: str) -> 
         name, fence = old.elector.name, old.terms[-1]
         taken: list[object] = []
 
-        def contend() -> None:
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute("""
-                    CREATE FUNCTION pg_temp.ring_then_take(lease text) RETURNS bigint
-                        LANGUAGE plpgsql AS $$
-                        BEGIN
-                            PERFORM pg_catalog.pg_advisory_lock(pgcoord.lease_doorbell_key(lease));
-                            RETURN (SELECT a.fence FROM pgcoord.lease_acquire(
-                                lease, 'contender', 30000, pg_catalog.pg_backend_pid()) AS a);
-                        END $$""")
-                row = conn.execute("SELECT pg_temp.ring_then_take(%s)", (name,)).fetchone()
-                taken.append(row[0] if row else None)
-
-        contender = threading.Thread(target=contend, daemon=True)
+        contender = threading.Thread(target=ring_then_take, args=(dsn, name, taken), daemon=True)
         contender.start()
-        await until(lambda: sql(dsn, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
-                                     "AND NOT granted AND objsubid = 1 AND ((classid::bigint << 32) "
-                                     "| objid::bigint) = pgcoord.lease_doorbell_key(%s)", name) == [(1,)], 5)
+        await until(lambda: doorbell_waiters(dsn, name) == 1, 5)
         # A loaded machine: the release comes a while after the statement before it.
         call = old.elector._call
 

@@ -9,12 +9,11 @@ import time
 import uuid
 
 import asyncpg
-import psycopg
 import pytest
 
 import pgcoord
 
-from .conftest import sql
+from .conftest import doorbell_waiters, ring_then_take, sql
 
 
 async def test_a_dead_member_s_lease_is_taken_over_without_waiting_out_its_ttl(dsn: str) -> None:
@@ -97,23 +96,6 @@ async def test_a_member_lease_releases_its_doorbell_with_the_lease(dsn: str) -> 
         await pool.close()
 
 
-def ring_then_take(dsn: str, name: str, taken: list[object]) -> None:
-    """A contender blocked on the lease's doorbell that takes the lease over the moment
-    it gets the bell (lease_acquire takes over a row whose holder's session no longer
-    holds its doorbell), in one call: no client round trip in between."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("""
-            CREATE FUNCTION pg_temp.ring_then_take(lease text) RETURNS bigint
-                LANGUAGE plpgsql AS $$
-                BEGIN
-                    PERFORM pg_catalog.pg_advisory_lock(pgcoord.lease_doorbell_key(lease));
-                    RETURN (SELECT a.fence FROM pgcoord.lease_acquire(
-                        lease, 'contender', 30000, pg_catalog.pg_backend_pid()) AS a);
-                END $$""")
-        row = conn.execute("SELECT pg_temp.ring_then_take(%s)", (name,)).fetchone()
-        taken.append(row[0] if row else None)
-
-
 async def test_a_release_is_recorded_though_the_doorbell_is_taken_at_once(dsn: str) -> None:
     """A release lets go of the row before the doorbell: else a contender waiting on
     the bell takes the row over from under it, the release matches nothing, and the
@@ -128,9 +110,7 @@ async def test_a_release_is_recorded_though_the_doorbell_is_taken_at_once(dsn: s
             contender = threading.Thread(target=ring_then_take, args=(dsn, name, taken), daemon=True)
             contender.start()
             async with asyncio.timeout(5):
-                while sql(dsn, "select count(*) from pg_locks where locktype = 'advisory' and not granted"
-                               " and objsubid = 1 and ((classid::bigint << 32) | objid::bigint)"
-                               " = pgcoord.lease_doorbell_key(%s)", name) != [(1,)]:
+                while doorbell_waiters(dsn, name) != 1:
                     await asyncio.sleep(0.01)
             row = held._row
 
