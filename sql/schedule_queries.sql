@@ -107,23 +107,44 @@ SELECT pgcoord.schedule_prune(CAST($1 AS text[]), CAST($2 AS bigint[]), $3)
 -- Every schedule not paused, whoever runs it (a schedule whose handler no replica
 -- registers is failing too), for the failing-job alert, column by column: slots
 -- count from its creation or last change of expression, or from its last resume
--- (the pause's slots were skipped, not failed).
+-- (the pause's slots were skipped, not failed); whether its runs may overlap (how
+-- many may be going at once).
 SELECT pg_catalog.clock_timestamp(), pg_catalog.array_agg(s.name ORDER BY s.name),
        pg_catalog.array_agg(s.handler ORDER BY s.name), pg_catalog.array_agg(s.expr ORDER BY s.name),
        pg_catalog.array_agg(s.tz ORDER BY s.name),
-       pg_catalog.array_agg(GREATEST(s.since, s.resumed_at) ORDER BY s.name)
+       pg_catalog.array_agg(GREATEST(s.since, s.resumed_at) ORDER BY s.name),
+       pg_catalog.array_agg(s.allow_overlap ORDER BY s.name)
 FROM pgcoord.schedules AS s
 WHERE NOT s.paused
 
 -- name: schedule_failing
--- Of the given schedules, those with no success (and no run going) in a slot at
--- or after the given instant: the first of their last K expected slots.
-SELECT pg_catalog.array_agg(u.name)
-FROM ROWS FROM (pg_catalog.unnest(CAST($1 AS text[])), pg_catalog.unnest(CAST($2 AS timestamptz[])))
-     AS u(name, since)
+-- Of the given schedules, each with its recent expected slots (names repeated, one
+-- per slot, after the schedule's start of counting), those with no success in a
+-- slot at or after the first of their newest $3 judged slots. A slot whose run is
+-- still going is not judged yet (it has neither failed nor succeeded), so the window
+-- reaches back past it; a schedule with fewer than $3 judged slots is not failing.
+WITH expected AS (
+    SELECT e.name, e.at
+    FROM ROWS FROM (pg_catalog.unnest(CAST($1 AS text[])),
+                    pg_catalog.unnest(CAST($2 AS timestamptz[]))) AS e(name, at)
+), wanted AS (
+    SELECT CAST($3 AS bigint) AS k
+), judged AS (
+    SELECT e.name, e.at,
+           pg_catalog.row_number() OVER (PARTITION BY e.name ORDER BY e.at DESC) AS n
+    FROM expected AS e
+    WHERE NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
+                      WHERE j.job = e.name AND j.slot_at = e.at AND j.state = 'running')
+), windows AS (
+    SELECT judged.name, pg_catalog.min(judged.at) AS since
+    FROM judged CROSS JOIN wanted
+    WHERE judged.n <= wanted.k
+    GROUP BY judged.name, wanted.k HAVING pg_catalog.count(*) = wanted.k
+)
+SELECT pg_catalog.array_agg(w.name)
+FROM windows AS w
 WHERE NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
-                  WHERE j.job = u.name AND j.slot_at >= u.since
-                    AND j.state IN ('succeeded', 'running'))
+                  WHERE j.job = w.name AND j.slot_at >= w.since AND j.state = 'succeeded')
 
 -- name: schedule_add
 SELECT pgcoord.schedule_add($1, $2, $3, $4, CAST($5 AS jsonb), CAST($6 AS jsonb))

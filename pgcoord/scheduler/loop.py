@@ -585,7 +585,8 @@ class Scheduler:
         """The schedules (not paused; whoever runs them, so one whose handler no
         replica registers counts) with no success in their last ``alert_after``
         expected slots since they were added, re-expressed or resumed — failed,
-        abandoned, missed or never run. Each is logged (a warning when it starts
+        abandoned, missed or never run; a slot whose run is still going is not
+        judged yet, so the ``alert_after`` before it are. Each is logged (a warning when it starts
         failing, info when it recovers) and counted in the gauge
         ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
         return await self._alerts.check(self._source)
