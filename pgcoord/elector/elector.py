@@ -149,6 +149,7 @@ class Elector:
         self._lost: asyncio.Event | None = None
         self._run_task: asyncio.Task[Any] | None = None
         self._stopping = False
+        self._stop_pending = False  # stop() came before run(): the next run() returns
         self._stopped: asyncio.Event | None = None
         # Lease news: set when something a follower waits for may have happened.
         self._news = asyncio.Event()
@@ -597,6 +598,9 @@ class Elector:
         """Campaign, lead while elected, campaign again; until ``stop()`` or cancellation."""
         if self._run_task is not None:
             raise RuntimeError("this Elector is already running")
+        if self._stop_pending:  # a shutdown before the start: it holds
+            self._stop_pending = False
+            return
         self._run_task = asyncio.current_task()
         self._stopping, self._stopped = False, asyncio.Event()
         metrics.campaigning(self.name)
@@ -652,9 +656,12 @@ class Elector:
         self._straggler = None
 
     async def stop(self) -> None:
-        """Resign if leading (followers take over within milliseconds) and end ``run()``."""
+        """Resign if leading (followers take over within milliseconds) and end ``run()``.
+        Called before ``run()`` has started (a task made to run it has not had a turn
+        yet), it holds: the next ``run()`` returns at once."""
         task, stopped = self._run_task, self._stopped
         if task is None or stopped is None:
+            self._stop_pending = True
             return
         self._stopping = True
         task.cancel()

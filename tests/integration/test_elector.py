@@ -87,6 +87,26 @@ async def test_exactly_one_of_three_leads_and_a_graceful_stop_hands_over_at_once
         assert second.elector.fence == first.terms[0] + 1
 
 
+async def test_a_stop_that_comes_before_run_starts_holds(dsn: str) -> None:
+    """A shutdown that comes before the task made to run the elector has started
+    (a lifespan that ends at once) ends that run at once: it neither campaigns nor
+    goes on for ever. Like Scheduler.stop()."""
+    r = Replica(dsn, unique("elector"), "early", 2.0)
+    r.start()
+    await r.elector.stop()  # the task has not had a turn yet
+    assert r.task is not None
+    await asyncio.wait_for(r.task, 10)
+    assert r.terms == [] and not r.elector.is_leader
+    assert await r.elector.leader() is None
+    # The stop was used up: the next run campaigns and leads.
+    r.start()
+    try:
+        await until(lambda: r.terms != [], 10)
+    finally:
+        await r.elector.stop()
+    assert r.task.done() and r.cancelled == r.terms
+
+
 async def test_a_terminated_session_clears_the_leader_flag_and_a_follower_takes_over(dsn: str) -> None:
     """Stale leader flag: is_leader must not stay true once the session is gone."""
     async with replicas(dsn, 2, ttl=2.0) as group:
