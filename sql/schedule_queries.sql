@@ -107,44 +107,38 @@ SELECT pgcoord.schedule_prune(CAST($1 AS text[]), CAST($2 AS bigint[]), $3)
 -- Every schedule not paused, whoever runs it (a schedule whose handler no replica
 -- registers is failing too), for the failing-job alert, column by column: slots
 -- count from its creation or last change of expression, or from its last resume
--- (the pause's slots were skipped, not failed); whether its runs may overlap (how
--- many may be going at once).
+-- (the pause's slots were skipped, not failed).
 SELECT pg_catalog.clock_timestamp(), pg_catalog.array_agg(s.name ORDER BY s.name),
        pg_catalog.array_agg(s.handler ORDER BY s.name), pg_catalog.array_agg(s.expr ORDER BY s.name),
        pg_catalog.array_agg(s.tz ORDER BY s.name),
-       pg_catalog.array_agg(GREATEST(s.since, s.resumed_at) ORDER BY s.name),
-       pg_catalog.array_agg(s.allow_overlap ORDER BY s.name)
+       pg_catalog.array_agg(GREATEST(s.since, s.resumed_at) ORDER BY s.name)
 FROM pgcoord.schedules AS s
 WHERE NOT s.paused
 
 -- name: schedule_failing
--- Of the given schedules, each with its recent expected slots (names repeated, one
--- per slot, after the schedule's start of counting), those with no success in a
--- slot at or after the first of their newest $3 judged slots. A slot whose run is
--- still going is not judged yet (it has neither failed nor succeeded), so the window
--- reaches back past it; a schedule with fewer than $3 judged slots is not failing.
-WITH expected AS (
-    SELECT e.name, e.at
-    FROM ROWS FROM (pg_catalog.unnest(CAST($1 AS text[])),
-                    pg_catalog.unnest(CAST($2 AS timestamptz[]))) AS e(name, at)
-), wanted AS (
-    SELECT CAST($3 AS bigint) AS k
-), judged AS (
-    SELECT e.name, e.at,
-           pg_catalog.row_number() OVER (PARTITION BY e.name ORDER BY e.at DESC) AS n
-    FROM expected AS e
-    WHERE NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
-                      WHERE j.job = e.name AND j.slot_at = e.at AND j.state = 'running')
-), windows AS (
-    SELECT judged.name, pg_catalog.min(judged.at) AS since
-    FROM judged CROSS JOIN wanted
-    WHERE judged.n <= wanted.k
-    GROUP BY judged.name, wanted.k HAVING pg_catalog.count(*) = wanted.k
-)
-SELECT pg_catalog.array_agg(w.name)
-FROM windows AS w
+-- Of the given schedules, those with no success in the span of their last K
+-- expected slots (from the given instant, the first of them: a run of one of
+-- those slots, or a run that ended in that span, succeeded), unless a run of
+-- theirs is going (its claim alive: a dead runner's row that no replica reaps,
+-- one whose handler none of them has, must not hide the schedule for ever) and the
+-- latest run that ended succeeded. A run going, and the
+-- slots skipped while it goes, are not failures by themselves; but a run going
+-- after one that failed does not hide it (a job that fails after running most of
+-- its period, or for longer than K periods).
+SELECT pg_catalog.array_agg(u.name)
+FROM ROWS FROM (pg_catalog.unnest(CAST($1 AS text[])), pg_catalog.unnest(CAST($2 AS timestamptz[])))
+     AS u(name, since)
 WHERE NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
-                  WHERE j.job = w.name AND j.slot_at >= w.since AND j.state = 'succeeded')
+                  WHERE j.job = u.name AND j.slot_at >= u.since AND j.state = 'succeeded')
+  AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
+                  WHERE j.job = u.name AND j.finished_at >= u.since AND j.state = 'succeeded')
+  AND (NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
+                   WHERE j.job = u.name AND j.state = 'running'
+                     AND j.claim_expires_at > pg_catalog.clock_timestamp())
+       OR coalesce((SELECT j.state <> 'succeeded' FROM pgcoord.job_slots AS j
+                    WHERE j.job = u.name AND j.finished_at IS NOT NULL
+                      AND j.state IN ('succeeded', 'failed', 'abandoned')
+                    ORDER BY j.finished_at DESC LIMIT 1), false))
 
 -- name: schedule_add
 SELECT pgcoord.schedule_add($1, $2, $3, $4, CAST($5 AS jsonb), CAST($6 AS jsonb))

@@ -5,9 +5,11 @@ job_slots, so a schedule whose slots are missed, or that no replica runs at
 all, counts as failing just as one whose runs raise. Every replica judges every
 schedule not paused (it cannot know which handlers the others register), from
 its creation, last change of expression or last resume: the slots of a pause
-are not failures. A slot whose run is still going is not judged yet: the K
-judged are the newest K expected slots without a run going, so a job that fails
-after running most of its period alerts like one that fails at once.
+are not failures. A run going, and the slots skipped while it goes, are not
+failures by themselves (nor is a slow run, whose success lands in a later slot's
+span); but a run going after one that failed (or was abandoned) does not hide
+it: a job that fails after running most of its period, or for longer than K
+periods, alerts like one that fails at once.
 """
 
 from __future__ import annotations
@@ -26,11 +28,7 @@ from .runner import as_utc
 
 log = logging.getLogger("pgcoord.scheduler")
 
-# How many expected slots beyond K are looked at, for runs going among the newest:
-# one for a schedule whose runs do not overlap (at most one goes at a time); up to
-# K, and at most this many, for one whose runs overlap, which is not judged while
-# more than that are going. (Each slot more is ~10 us of walking back an expression.)
-OVERLAPPING_RUNS_MAX = 32
+
 class FailingWatch:
     """Which schedules fail, remembered between looks so that each start and end
     of a failing spell is logged once."""
@@ -46,43 +44,39 @@ class FailingWatch:
         watched = [] if row[1] is None else list(zip(*row[1:], strict=True))
         # In a thread: 10,000 schedules of distinct expressions cost ~1 s of walking
         # back, which would hold up the event loop (every tick, every heartbeat).
-        names, slots = await asyncio.to_thread(self._judged, watched, now)
+        names, firsts = await asyncio.to_thread(self._judged, watched, now)
         found: list[str] = []
         if names:
-            failing = await run_statement(source, query("schedule_failing"),
-                                          (names, slots, self.expected))
+            failing = await run_statement(source, query("schedule_failing"), (names, firsts))
             found = sorted(failing[0] or []) if failing is not None else []
         return self._report(watched, found)
 
     def _judged(self, watched: list[tuple[Any, ...]], now: dt.datetime,
                 ) -> tuple[list[str], list[dt.datetime]]:
-        """The schedules old enough to judge, each with its newest expected slots
-        since its start of counting (K and room for its runs going), as two
-        parallel lists: a name for each slot."""
+        """The schedules old enough to judge, each with the first of its last K
+        expected slots."""
         names: list[str] = []
-        slots: list[dt.datetime] = []
+        firsts: list[dt.datetime] = []
         # Per expression, not per schedule: thousands of tenants' schedules share a
         # few, and each walk back over one costs tens of microseconds.
-        walked: dict[tuple[str, str, int], list[dt.datetime]] = {}
-        for name, _, expr, tz, since, overlap in watched:
-            looked = self.expected + (min(self.expected, OVERLAPPING_RUNS_MAX) if overlap else 1)
-            key = (expr, tz, looked)
-            newest = walked.get(key)
-            if newest is None:
+        walked: dict[tuple[str, str], list[dt.datetime]] = {}
+        for name, _, expr, tz, since in watched:
+            key = (expr, tz)
+            last_k = walked.get(key)
+            if last_k is None:
                 try:
                     zone = check_zone(tz)
                     check_expr(expr, zone)
-                    newest = previous_slots(expr, zone, now, looked)
+                    last_k = previous_slots(expr, zone, now, self.expected)
                 except ValueError:  # a row written by hand that no replica can read
-                    newest = []
-                walked[key] = newest
+                    last_k = []
+                walked[key] = last_k
             # Only schedules old enough (since the last start of counting) to have
             # had K slots are judged.
-            counted = [at for at in newest if at > as_utc(since)]
-            if len(counted) >= self.expected:
-                names.extend([name] * len(counted))
-                slots.extend(counted)
-        return names, slots
+            if len(last_k) == self.expected and last_k[-1] > as_utc(since):
+                names.append(name)
+                firsts.append(last_k[-1])
+        return names, firsts
 
     def _report(self, watched: list[tuple[Any, ...]], found: list[str]) -> list[str]:
         handlers = {name: handler for name, handler, *_ in watched}

@@ -585,8 +585,9 @@ class Scheduler:
         """The schedules (not paused; whoever runs them, so one whose handler no
         replica registers counts) with no success in their last ``alert_after``
         expected slots since they were added, re-expressed or resumed — failed,
-        abandoned, missed or never run; a slot whose run is still going is not
-        judged yet, so the ``alert_after`` before it are. Each is logged (a warning when it starts
+        abandoned, missed or never run (a run that ended in their span and
+        succeeded counts as a success; a run going clears the schedule when the
+        latest run that ended succeeded). Each is logged (a warning when it starts
         failing, info when it recovers) and counted in the gauge
         ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
         return await self._alerts.check(self._source)

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -323,10 +324,10 @@ async def test_a_schedule_that_keeps_failing_is_logged_and_counted(
     ("sa-async-asyncpg", False), ("sa-async-psycopg", False)])
 async def test_runs_going_do_not_hide_the_failures_before_them(
         dsn: str, kind: str, overlap: bool) -> None:
-    """A schedule whose newest slots are still running, after K that failed, is
-    failing: a slot going is not judged yet, so the K before it are. (A job that
-    fails after running most of its period would otherwise almost never alert; a
-    loaded machine, whose records of failed runs land late, hid one in CI.)"""
+    """A schedule whose newest slots are still running, beside slots that failed,
+    is failing: a run going does not hide the failures beside it. (A job that fails
+    after running most of its period would otherwise almost never alert; a loaded
+    machine, whose records of failed runs land late, hid one in CI.)"""
     handler, name = unique("h"), unique("slow-failing")
     failures, going, release = 0, 0, asyncio.Event()
     enough_going = asyncio.Event()
@@ -357,6 +358,116 @@ async def test_runs_going_do_not_hide_the_failures_before_them(
     assert states.count("running") >= (2 if overlap else 1), states
     assert states.count("failed") >= 3, states
     assert name in found
+
+
+@pytest.mark.parametrize("seconds", [2.5, 4.5])
+async def test_a_slow_job_that_succeeds_is_never_failing(
+        dsn: str, pool: asyncpg.Pool, seconds: float) -> None:
+    """A job whose runs take 2.5 (or 4.5: more than K) of its periods and succeed:
+    the slots skipped while one goes and the run going are not failures, at any
+    moment of its cycle."""
+    handler, name = unique("h"), unique("slow-fine")
+    s = Scheduler(pool, alert_after=3)
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        await asyncio.sleep(seconds)
+
+    await s.add(name, "* * * * * *", handler=handler)
+    task = asyncio.create_task(s.run())
+    flagged, looks = [], 0
+    try:
+        began = time.monotonic()
+        while time.monotonic() - began < 9:
+            looks += 1
+            if name in await s.check_failing():
+                flagged.append(round(time.monotonic() - began, 2))
+            await asyncio.sleep(0.2)
+        states = [r[1] for r in rows(dsn, name)]
+    finally:
+        await s.stop()
+        await task
+    assert "succeeded" in states and "skipped" in states, states
+    assert looks >= 20 and flagged == [], (flagged, states)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "overlapping"])
+async def test_a_job_whose_runs_fail_after_k_periods_is_failing(
+        dsn: str, pool: asyncpg.Pool, overlap: bool) -> None:
+    """Runs that take 4.5 of the job's periods and fail: the span of the last K=3
+    slots holds only runs going or slots skipped while one went, and the run that
+    failed started before it. The latest run that ended failed, so a run going does
+    not clear the schedule."""
+    handler, name = unique("h"), unique("long-failing")
+    s = Scheduler(pool, alert_after=3)
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        await asyncio.sleep(4.5)
+        raise RuntimeError("broken")
+
+    await s.add(name, "* * * * * *", handler=handler, allow_overlap=overlap)
+    task = asyncio.create_task(s.run())
+    try:
+        began = time.monotonic()
+        # Until a run fails and another goes (the premise: a run going now).
+        while not {"failed", "running"} <= {r[1] for r in rows(dsn, name)}:
+            assert time.monotonic() - began < 30, rows(dsn, name)
+            await asyncio.sleep(0.1)
+        flagged = [name in await s.check_failing() for _ in range(3)]
+        states = [r[1] for r in rows(dsn, name)]
+    finally:
+        await s.stop(drain=0)
+        await task
+    assert "running" in states, states
+    assert all(flagged), (flagged, states)
+
+
+DEAD_RUNNER = """
+import asyncio, sys
+import asyncpg
+from pgcoord.scheduler import Scheduler
+
+async def main(dsn, handler):
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3)
+    s = Scheduler(pool)
+
+    @s.job(handler, claim_ttl=2.0)
+    async def work(slot):
+        await asyncio.sleep(3600)
+
+    await s.run()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_run_whose_runner_died_does_not_hide_the_schedule(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """The only replica with the handler is SIGKILLed mid-run, and no replica left
+    reaps its claim (none has the handler): the row says 'running' for ever. A run
+    going clears a schedule only while its claim is alive, so it is failing once
+    the claim has expired."""
+    handler, name = unique("h"), unique("dead-runner")
+    s = Scheduler(pool, alert_after=3)
+    await s.add(name, "* * * * * *", handler=handler)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", DEAD_RUNNER, dsn, handler, env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        began = time.monotonic()
+        while "running" not in [r[1] for r in rows(dsn, name)]:
+            assert time.monotonic() - began < 30 and child.returncode is None, rows(dsn, name)
+            await asyncio.sleep(0.1)
+    finally:
+        child.kill()  # SIGKILL: no cleanup, the claim is left to expire
+        await child.wait()
+    killed = time.monotonic()
+    while name not in await s.check_failing():
+        assert time.monotonic() - killed < 20, rows(dsn, name)
+        await asyncio.sleep(0.2)
+    assert [r[1] for r in rows(dsn, name)][-1] == "running"  # nobody reaped it
 
 
 async def test_bad_input_is_refused_at_the_call(dsn: str, pool: asyncpg.Pool) -> None:
