@@ -117,14 +117,13 @@ WHERE NOT s.paused
 
 -- name: schedule_failing
 -- Of the given schedules, those with no success in the span of their last K
--- expected slots (from the given instant, the first of them: a run of one of
--- those slots, or a run that ended in that span, succeeded), unless a run of
--- theirs is going (its claim alive: a dead runner's row that no replica reaps,
--- one whose handler none of them has, must not hide the schedule for ever) and the
--- latest run that ended succeeded. A run going, and the
--- slots skipped while it goes, are not failures by themselves; but a run going
--- after one that failed does not hide it (a job that fails after running most of
--- its period, or for longer than K periods).
+-- expected slots (from the given instant, the first of them): no run of one of
+-- those slots, and no run that ended in that span, succeeded. A run of one of
+-- those slots still going (its claim alive) clears the schedule, unless the latest
+-- run that ended failed or was abandoned (not by a replica's graceful stop): a slow
+-- job is not failing for the slots skipped while it runs, and a run going after one
+-- that failed does not hide it. A run going since before the span (hung, or slower
+-- than K periods) clears nothing, nor does a dead runner's row that no replica reaps.
 SELECT pg_catalog.array_agg(u.name)
 FROM ROWS FROM (pg_catalog.unnest(CAST($1 AS text[])), pg_catalog.unnest(CAST($2 AS timestamptz[])))
      AS u(name, since)
@@ -133,11 +132,12 @@ WHERE NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
   AND NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
                   WHERE j.job = u.name AND j.finished_at >= u.since AND j.state = 'succeeded')
   AND (NOT EXISTS (SELECT 1 FROM pgcoord.job_slots AS j
-                   WHERE j.job = u.name AND j.state = 'running'
+                   WHERE j.job = u.name AND j.slot_at >= u.since AND j.state = 'running'
                      AND j.claim_expires_at > pg_catalog.clock_timestamp())
        OR coalesce((SELECT j.state <> 'succeeded' FROM pgcoord.job_slots AS j
                     WHERE j.job = u.name AND j.finished_at IS NOT NULL
                       AND j.state IN ('succeeded', 'failed', 'abandoned')
+                      AND (j.state <> 'abandoned' OR j.reason IS DISTINCT FROM 'stopped')
                     ORDER BY j.finished_at DESC LIMIT 1), false))
 
 -- name: schedule_add

@@ -600,6 +600,8 @@ class Elector:
             raise RuntimeError("this Elector is already running")
         if self._stop_pending:  # a shutdown before the start: it holds
             self._stop_pending = False
+            for queue in self._watchers:  # as at the end of any run
+                queue.put_nowait(END_OF_STREAM)
             return
         self._run_task = asyncio.current_task()
         self._stopping, self._stopped = False, asyncio.Event()

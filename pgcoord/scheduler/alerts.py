@@ -5,11 +5,11 @@ job_slots, so a schedule whose slots are missed, or that no replica runs at
 all, counts as failing just as one whose runs raise. Every replica judges every
 schedule not paused (it cannot know which handlers the others register), from
 its creation, last change of expression or last resume: the slots of a pause
-are not failures. A run going, and the slots skipped while it goes, are not
-failures by themselves (nor is a slow run, whose success lands in a later slot's
-span); but a run going after one that failed (or was abandoned) does not hide
-it: a job that fails after running most of its period, or for longer than K
-periods, alerts like one that fails at once.
+are not failures. A run of one of the K slots still going is not a failure
+by itself (nor is a slow run whose success lands in a later slot's span), unless
+the latest run that ended failed: a job that fails after running most of its
+period, or for longer than K periods, alerts like one that fails at once. A run
+going since before the span (hung, or slower than K periods) does not clear it.
 """
 
 from __future__ import annotations

@@ -92,11 +92,18 @@ async def test_a_stop_that_comes_before_run_starts_holds(dsn: str) -> None:
     (a lifespan that ends at once) ends that run at once: it neither campaigns nor
     goes on for ever. Like Scheduler.stop()."""
     r = Replica(dsn, unique("elector"), "early", 2.0)
+    watch = r.elector.watch()
     r.start()
     await r.elector.stop()  # the task has not had a turn yet
     assert r.task is not None
     await asyncio.wait_for(r.task, 10)
     assert r.terms == [] and not r.elector.is_leader
+    # A watcher ends with the run, as after any run.
+
+    async def heard() -> list[Any]:
+        return [c async for c in watch]
+
+    assert await asyncio.wait_for(heard(), 5) == []
     assert await r.elector.leader() is None
     # The stop was used up: the next run campaigns and leads.
     r.start()

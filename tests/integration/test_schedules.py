@@ -360,12 +360,11 @@ async def test_runs_going_do_not_hide_the_failures_before_them(
     assert name in found
 
 
-@pytest.mark.parametrize("seconds", [2.5, 4.5])
-async def test_a_slow_job_that_succeeds_is_never_failing(
-        dsn: str, pool: asyncpg.Pool, seconds: float) -> None:
-    """A job whose runs take 2.5 (or 4.5: more than K) of its periods and succeed:
-    the slots skipped while one goes and the run going are not failures, at any
-    moment of its cycle."""
+async def test_a_slow_job_that_succeeds_is_never_failing(dsn: str, pool: asyncpg.Pool) -> None:
+    """A job whose runs take 2.5 of its periods (less than K) and succeed: the slots
+    skipped while one goes and the run going are not failures, at any moment of its
+    cycle."""
+    seconds = 2.5
     handler, name = unique("h"), unique("slow-fine")
     s = Scheduler(pool, alert_after=3)
 
@@ -421,6 +420,78 @@ async def test_a_job_whose_runs_fail_after_k_periods_is_failing(
         await task
     assert "running" in states, states
     assert all(flagged), (flagged, states)
+
+
+async def test_a_hung_run_is_failing_once_k_periods_have_passed(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """Two runs succeed, then one hangs, its replica alive (its claim renewed) and
+    every later slot skipped: once the span of the last K slots starts after the hung
+    run's slot, the run going clears nothing, and the schedule is failing."""
+    handler, name = unique("h"), unique("hung")
+    s = Scheduler(pool, alert_after=2)
+    ran, release = 0, asyncio.Event()
+
+    @s.job(handler)
+    async def work(slot: Slot) -> None:
+        nonlocal ran
+        ran += 1
+        if ran > 2:
+            await release.wait()
+
+    await s.add(name, "* * * * * *", handler=handler)
+    task = asyncio.create_task(s.run())
+    try:
+        began = time.monotonic()
+        while name not in await s.check_failing():
+            assert time.monotonic() - began < 30, rows(dsn, name)
+            await asyncio.sleep(0.2)
+        states = [r[1] for r in rows(dsn, name)]
+    finally:
+        release.set()
+        await s.stop()
+        await task
+    assert states.count("succeeded") == 2 and states.count("running") == 1, states
+    assert states[-1] == "skipped", states
+
+
+async def test_a_run_going_after_a_graceful_stop_is_not_failing(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """A replica stopped mid-run (a rolling deploy) records the run abandoned
+    ('stopped'); another replica's run going after it is not failing for that: a
+    graceful stop is not the job's failure."""
+    handler, name = unique("h"), unique("rolled")
+    started: list[str] = []
+    replicas = [Scheduler(pool, alert_after=3) for _ in range(2)]
+    for label, sched in zip("ab", replicas, strict=True):
+
+        @sched.job(handler)
+        async def work(slot: Slot, label: str = label) -> None:
+            started.append(label)
+            await asyncio.sleep(2.5)
+
+    a, b = replicas
+    await a.add(name, "* * * * * *", handler=handler)
+    await asyncio.sleep(3.2)  # K slots since the schedule was added: it is judged
+    first = asyncio.create_task(a.run())
+    began = time.monotonic()
+    while started != ["a"]:
+        assert time.monotonic() - began < 30, rows(dsn, name)
+        await asyncio.sleep(0.05)
+    await a.stop(drain=0)
+    await first
+    assert [(r[1], r[2]) for r in rows(dsn, name) if r[1] == "abandoned"] == [("abandoned", "stopped")]
+    second = asyncio.create_task(b.run())
+    try:
+        while "b" not in started:
+            assert time.monotonic() - began < 30, rows(dsn, name)
+            await asyncio.sleep(0.05)
+        flagged = [name in await b.check_failing() for _ in range(3)]
+        states = [r[1] for r in rows(dsn, name)]
+    finally:
+        await b.stop()
+        await second
+    assert "running" in states and "succeeded" not in states, states
+    assert not any(flagged), states
 
 
 DEAD_RUNNER = """
