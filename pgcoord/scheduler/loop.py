@@ -587,9 +587,9 @@ class Scheduler:
         expected slots since they were added, re-expressed or resumed — failed,
         abandoned, missed or never run (a run that ended in their span and
         succeeded counts as a success; a run of one of them still going clears the
-        schedule unless the latest run that ended failed). Each is logged (a warning when it starts
-        failing, info when it recovers) and counted in the gauge
-        ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
+        schedule unless the latest run that ended failed). Each is logged (a
+        warning when it starts failing, info when it recovers) and counted in the
+        gauge ``pgcoord_jobs_failing{handler}``. The loop calls this every minute."""
         return await self._alerts.check(self._source)
 
     # -- running slots ---------------------------------------------------------------------

@@ -442,6 +442,9 @@ async def test_a_hung_run_is_failing_once_k_periods_have_passed(
     task = asyncio.create_task(s.run())
     try:
         began = time.monotonic()
+        while ran <= 2:  # the premise: the hung run has started
+            assert time.monotonic() - began < 30, rows(dsn, name)
+            await asyncio.sleep(0.05)
         while name not in await s.check_failing():
             assert time.monotonic() - began < 30, rows(dsn, name)
             await asyncio.sleep(0.2)
