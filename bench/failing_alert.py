@@ -28,13 +28,14 @@ from generate_series(0, 9999) as i
 """
 SLOTS = """
 insert into pgcoord.job_slots (job, slot_at, state, attempt, started_at, finished_at)
-select s.name,
-       date_trunc('hour', now()) - k * interval '1 hour'
-         + split_part(s.expr, ' ', 2)::int * interval '1 minute'
-         + split_part(s.expr, ' ', 1)::int * interval '1 second',
-       case when split_part(s.name, ':', 2)::int % 10 = 0 then 'failed' else 'succeeded' end,
-       1, now(), now()
-from pgcoord.schedules as s cross join generate_series(1, 8) as k
+select t.name, t.at,
+       case when split_part(t.name, ':', 2)::int % 10 = 0 then 'failed' else 'succeeded' end,
+       1, t.at, t.at + interval '1 minute'  -- each run took a minute
+from (select s.name,
+             date_trunc('hour', now()) - k * interval '1 hour'
+               + split_part(s.expr, ' ', 2)::int * interval '1 minute'
+               + split_part(s.expr, ' ', 1)::int * interval '1 second' as at
+      from pgcoord.schedules as s cross join generate_series(1, 8) as k) as t
 """
 
 

@@ -600,8 +600,7 @@ class Elector:
             raise RuntimeError("this Elector is already running")
         if self._stop_pending:  # a shutdown before the start: it holds
             self._stop_pending = False
-            for queue in self._watchers:  # as at the end of any run
-                queue.put_nowait(END_OF_STREAM)
+            self._end_watches()  # as at the end of any run
             return
         self._run_task = asyncio.current_task()
         self._stopping, self._stopped = False, asyncio.Event()
@@ -643,8 +642,11 @@ class Elector:
             self._unhook()
             self._run_task = None
             self._stopped.set()
-            for queue in self._watchers:
-                queue.put_nowait(END_OF_STREAM)
+            self._end_watches()
+
+    def _end_watches(self) -> None:
+        for queue in self._watchers:
+            queue.put_nowait(END_OF_STREAM)
 
     async def _await_straggler(self) -> None:
         """Wait for a lead() left behind at its bound (``keep_cancelling`` cancels it)."""
