@@ -179,6 +179,8 @@ class Member:
         try:
             with contextlib.suppress(Exception):
                 await finish_despite_cancel(self._leave())
+            with contextlib.suppress(Exception):
+                await finish_despite_cancel(self._end_watch())
         finally:
             await finish_despite_cancel(self._drop_sessions())
             for queue in self._subscribers:
@@ -204,6 +206,15 @@ class Member:
                 # Its row stays unmarked until the session's end is found: the others
                 # are told it crashed, not that it left.
                 log.warning("member %r: saying goodbye failed (%r); closing the session", self.name, exc)
+
+    async def _end_watch(self) -> None:
+        """Cut short the statement the watcher's stopped task left on the server (its
+        sleep, or its wait in a lock queue). The server does not see a closed socket
+        while a statement runs: it looks every client_connection_check_interval (a
+        second), and the backend would hold the watcher's locks until then."""
+        watcher = self._ring.session
+        if watcher is not None and self._main is not None and not self._lost.is_set():
+            await self._call(query("member_cancel_watch"), watcher.backend_pid)
 
     async def _drop_sessions(self) -> None:
         self._hub.unregister(self)  # another member of the process carries the news
