@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -115,6 +116,30 @@ def advisory_locks(dsn: str) -> list[tuple[int, int, bool]]:
             " and pid <> pg_backend_pid()"
             " and not (objsubid = 2 and classid = 1885823854::oid)"
         ).fetchall()
+
+
+# What a process killed by a test held is freed by the server, not by the process:
+# a backend in a statement (a sleep, a lock queue) sees its client gone only at its
+# next client_connection_check_interval (pgcoord sets a second). The next test on the
+# shared database would find those locks and blame itself.
+LOCKS_OF_THE_DEAD_GO_WITHIN = 5.0
+
+
+@pytest.fixture(autouse=True)
+def no_lock_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the shared database (``dsn``), waits until no advisory
+    lock is held or awaited there, and fails the test if one still is after
+    ``LOCKS_OF_THE_DEAD_GO_WITHIN`` seconds: a leaked lock fails the test that
+    leaked it, not the one that runs next."""
+    yield
+    if "dsn" not in request.fixturenames:
+        return
+    dsn = request.getfixturevalue("dsn")
+    deadline = time.monotonic() + LOCKS_OF_THE_DEAD_GO_WITHIN
+    while left := advisory_locks(dsn):
+        if time.monotonic() > deadline:
+            pytest.fail(f"advisory locks held {LOCKS_OF_THE_DEAD_GO_WITHIN} s after the test: {left}")
+        time.sleep(0.02)
 
 
 @pytest.fixture
