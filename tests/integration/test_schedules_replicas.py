@@ -199,18 +199,21 @@ async def test_a_replica_killed_while_applying_changes_leaves_a_whole_schedule(
         await admin.resume(name)
     await admin.update(name, expr="* * * * * *")
     after_change = sql(dsn, "select since from pgcoord.schedules where name = %s", name)[0][0]
-    await asyncio.sleep(3.5)
+    await asyncio.sleep(4.5)
     fleet.stop()
     ran = starts(dsn, name)
     assert len({r[0] for r in ran}) == len(ran), "a slot started twice"
     # The survivor went on alone: every second after the last change ran, except that
-    # a slot due while a run the churner was killed in still held its claim (claim_ttl
-    # 1 s, and without a member nobody can tell sooner) is skipped for overlap.
+    # a slot due before a run the churner was killed in was found dead is skipped for
+    # overlap (docs/scheduler.md: a retry must not run beside the next slot). It is
+    # found once its claim has expired (claim_ttl 1 s, and without a member nobody can
+    # tell sooner), at the survivor's next look for lost claims (every claim_ttl/3; a
+    # second allowed here, for a loaded host: CI saw one come after the next slot).
     later = [r for r in slot_rows(dsn, name) if r[0] > after_change]
-    claim_gone = killed + dt.timedelta(seconds=1.0)
+    found_dead = killed + dt.timedelta(seconds=2.0)
     assert all(r[1:3] == ("skipped", "overlap") for r in later
-               if r[1] != "succeeded" and r[0] <= claim_gone)
-    later = [r for r in later if r[0] > claim_gone]
+               if r[1] != "succeeded" and r[0] <= found_dead)
+    later = [r for r in later if r[0] > found_dead]
     assert len(later) >= 2 and {r[1] for r in later} == {"succeeded"}
     assert {r[3] for r in later} == {"survivor"}
     assert seconds_of(later) == list(range(seconds_of(later)[0], seconds_of(later)[-1] + 1))
