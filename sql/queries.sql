@@ -119,6 +119,14 @@ RESET tcp_keepalives_count; RESET tcp_user_timeout
 -- name: holder_backend_pid
 SELECT pg_catalog.pg_backend_pid()
 
+-- name: holder_cancel_waits
+-- LockHolder.close(): cut short the lock waits of its waiting sessions ($1, their
+-- backend pids) before they are closed; only a wait for a lock (a session already
+-- granted its lock is closed idle, and ends at once).
+SELECT pg_catalog.count(pg_catalog.pg_cancel_backend(a.pid))::integer
+FROM pg_catalog.pg_stat_activity AS a
+WHERE a.pid = ANY (CAST($1 AS integer[])) AND a.wait_event_type = 'Lock'
+
 -- name: holder_probe
 SELECT 1
 
@@ -281,8 +289,10 @@ WHERE a.pid = $1 AND a.wait_event_type = 'Lock' AND a.wait_event = 'advisory'
 
 -- name: elector_session
 -- The elector's own session: the server ends it after {idle_ms} ms of silence,
--- so a paused or partitioned leader loses its doorbell lock and its lease.
-SET idle_session_timeout = {idle_ms}
+-- so a paused or partitioned leader loses its doorbell lock and its lease. A
+-- follower whose client went away mid doorbell wait leaves the queue within a
+-- second (client_connection_check_interval), not at the wait's lock_timeout (a ttl).
+SET idle_session_timeout = {idle_ms}; SET client_connection_check_interval = 1000
 
 -- name: job_register
 SELECT registered_at, now FROM pgcoord.job_register($1, $2, $3)

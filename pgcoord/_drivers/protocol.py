@@ -123,7 +123,9 @@ class DedicatedSession(Protocol):
     @abstractmethod
     async def close_now(self) -> None:
         """``terminate()``, then tell the pool (if borrowed) that the connection
-        is gone so it frees the slot. Never waits on the network."""
+        is gone so it frees the slot. Waits on the network only for a cancel
+        request already on its way (a stopped statement must not go on on the
+        server), and then briefly."""
 
     @abstractmethod
     async def give_back(self) -> None:

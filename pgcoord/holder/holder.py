@@ -219,6 +219,17 @@ class LockHolder:
                 if held.lost_reason is None and body is not asyncio.current_task():
                     held.lost_reason = "the LockHolder was closed while the lock was held"
                     body.cancel(f"pgcoord: lock {held.request.describe()} lost: {held.lost_reason}")
+        waiting = [c for c in carriers if c.dedicated and not c.holding and not c.lost]
+        main = next((c for c in carriers if not c.dedicated and not c.lost and not c.retired), None)
+        if waiting and main is not None:
+            # A backend waiting for a lock sees its closed socket only at its next
+            # client check (client_connection_check_interval, a second), and stays in
+            # the lock's queue until then (granted the lock, it holds it a moment):
+            # cut the waits short from the main session first.
+            with contextlib.suppress(CleanupTimeout, Exception):
+                await finish_despite_cancel(
+                    main.call(query("holder_cancel_waits"), [c.conn.backend_pid for c in waiting]),
+                    bound=self._cleanup_bound)
         for carrier in carriers:
             if carrier.dedicated and not carrier.holding:
                 # Still waiting for its lock: no one will hold it now.
@@ -543,9 +554,9 @@ class HeldLock:
             await holder._retire(carrier)
             if isinstance(exc, PgcoordError | asyncio.CancelledError):
                 raise
-            if carrier.lost:
+            if carrier.lost or not holder._open:  # close() cuts the waits short
                 raise LockLost(f"the session waiting for lock {request.describe()} was lost: "
-                               f"{carrier.lost_reason}") from exc
+                               f"{carrier.lost_reason or 'the LockHolder was closed'}") from exc
             mapped = request.translate(exc)
             if isinstance(mapped, LockTimeout):
                 raise LockTimeout(f"lock {request.describe()} {not_granted(request.timeout)}") from exc

@@ -8,6 +8,7 @@ No test skips for lack of a server: a missing server is an error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -165,6 +166,23 @@ def setting_seconds(dsn: str, name: str) -> float | None:
         return None
     value, unit = float(rows[0][0]), rows[0][1]  # type: ignore[arg-type]
     return value / 1000 if unit == "ms" else value
+
+
+def backends_of(dsn: str, *apps: str) -> list[int]:
+    """The pids of the backends whose application_name is one of ``apps``."""
+    return [int(p) for (p,) in sql(  # type: ignore[call-overload]
+        dsn, "select pid from pg_stat_activity where application_name = any(%s)", list(apps))]
+
+
+async def seconds_until_gone(dsn: str, apps: list[str], pids: list[int], timeout: float = 10.0) -> float:
+    """Seconds until no backend of ``apps`` is left and ``pids`` hold or await no lock
+    (fails after ``timeout``): how long a closed object's sessions outlive it."""
+    started = time.monotonic()
+    while backends_of(dsn, *apps) or sql(
+            dsn, "select 1 from pg_locks where pid = any(%s) limit 1", pids):
+        assert time.monotonic() - started < timeout, f"backends of {apps} still there after {timeout} s"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
 
 
 def ring_then_take(dsn: str, name: str, taken: list[object]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import pgcoord
 
-from .conftest import doorbell_waiters, unique
+from .conftest import backends_of, doorbell_waiters, seconds_until_gone, unique
 from .pgbouncer import PgBouncer
 
 
@@ -248,3 +248,40 @@ async def test_a_follower_hears_the_doorbell_at_any_moment_of_its_wait(dsn: str)
                               (leader.elector._conn.backend_pid,))  # type: ignore[union-attr]
             took = await until(lambda: any(r.elector.is_leader for r in group if r is not leader), 2)
             assert took < 0.25, took
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+async def test_a_stopped_follower_leaves_the_doorbell_queue_at_once(dsn: str, driver: str) -> None:
+    """A follower waits in the lock queue of the leader's doorbell, on its own session;
+    stop() ends that wait on the server before it returns. Before, with asyncpg, the
+    driver's cancel request, sent from a task of its own, was dropped when the session
+    was closed under it, and the server never looked at the closed socket during the
+    wait: the backend stayed queued until the wait's lock_timeout, a ttl (30 s here)."""
+    name = unique("queue")
+    leader = pgcoord.Elector(dsn, name, ttl=30, driver=driver)
+    led = asyncio.Event()
+
+    async def lead(fence: int) -> None:
+        led.set()
+        await asyncio.sleep(3600)
+
+    leading = asyncio.create_task(leader.run(lead))
+    try:
+        await asyncio.wait_for(led.wait(), 10)
+        for _ in range(3):
+            app = unique("follower")
+            follower = pgcoord.Elector(dsn, name, ttl=30, application_name=app, driver=driver)
+            following = asyncio.create_task(follower.run(lead))
+            async with asyncio.timeout(10):
+                while doorbell_waiters(dsn, name) != 1:
+                    await asyncio.sleep(0.01)
+            pids = backends_of(dsn, app)
+            assert len(pids) == 1
+            await follower.stop()
+            await following
+            # Generous against the milliseconds a backend takes to exit.
+            assert await seconds_until_gone(dsn, [app], pids) < 0.5
+            assert doorbell_waiters(dsn, name) == 0
+    finally:
+        await leader.stop()
+        await leading

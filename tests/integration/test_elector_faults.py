@@ -20,6 +20,8 @@ import pytest
 import pgcoord.migrations
 from pgcoord._core.embedded import EmbeddedServer
 
+from .conftest import doorbell_waiters
+
 REPLICA = str(Path(__file__).with_name("elector_replica.py"))
 
 
@@ -190,5 +192,29 @@ def test_a_server_restart_elects_one_leader_again(own_server: EmbeddedServer) ->
             "select count(*) from pgcoord.leases where name = %s and holder is not null"
             " and expires_at > clock_timestamp()", fleet.name)
         assert leading == [(1,)]
+    finally:
+        fleet.close()
+
+
+def test_a_killed_follower_leaves_the_doorbell_queue_within_about_a_second(dsn: str) -> None:
+    """A follower waits in the lock queue of the leader's doorbell. SIGKILLed, its
+    backend must leave the queue soon: the server looks at the client every
+    client_connection_check_interval (a second) during the wait. Before, the elector's
+    session had no client check, and the dead follower stayed queued (ahead of live
+    followers) until the wait's lock_timeout, a ttl: 30 s here."""
+    fleet = Fleet(dsn, ttl=30.0, n=2)
+    try:
+        leader, _, _ = fleet.wait_for_election(1, 20)
+        follower = next(label for label in fleet.procs if label != leader)
+        deadline = time.monotonic() + 20
+        while doorbell_waiters(dsn, fleet.name) != 1:
+            assert time.monotonic() < deadline, fleet.output
+            time.sleep(0.01)
+        fleet.procs[follower].kill()
+        fleet.procs[follower].wait(10)
+        killed = time.monotonic()
+        while doorbell_waiters(dsn, fleet.name):
+            assert time.monotonic() - killed < 3.0, "a dead follower is still queued for the doorbell"
+            time.sleep(0.01)
     finally:
         fleet.close()

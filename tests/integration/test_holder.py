@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import pgcoord
 from pgcoord._core.embedded import EmbeddedServer
 
-from .conftest import advisory_locks
+from .conftest import advisory_locks, backends_of, seconds_until_gone, sql, unique
 from .converted_cancel import cancelling_after_loss
 from .pgbouncer import PgBouncer
 from .proxy import FreezableProxy
@@ -379,3 +379,39 @@ def test_bad_arguments_raise_at_construction() -> None:
     holder = pgcoord.LockHolder("postgresql://x/y")
     with pytest.raises(TypeError):
         holder.lock(1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+@pytest.mark.parametrize("how", ["close-while-it-waits", "cancel-then-close"])
+async def test_closing_a_holder_ends_its_lock_waits_on_the_server(dsn: str, driver: str, how: str) -> None:
+    """A lock() waiting behind another session waits on a session of its own. close()
+    (with the wait going, or just after its task was cancelled) ends that wait on the
+    server before it returns, and the waiting task is told LockLost (or its
+    cancellation). Before, the session was closed under the wait: the server looks at a
+    closed socket only every client_connection_check_interval (a second), and the
+    backend stayed in the lock's queue until then, every time."""
+    key = unique("queued")
+    async with pgcoord.LockHolder(dsn, driver=driver) as owner, owner.lock(key):
+        for _ in range(3):
+            app = unique("waiting-holder")
+            holder = pgcoord.LockHolder(dsn, application_name=app, driver=driver)
+            await holder.open()
+
+            async def wait_for_the_lock(holder: pgcoord.LockHolder = holder) -> None:
+                async with holder.lock(key, timeout=30):
+                    await asyncio.sleep(3600)
+
+            waiter = asyncio.create_task(wait_for_the_lock())
+            async with asyncio.timeout(10):
+                while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
+                               " and wait_event_type = 'Lock'", app) != [(1,)]:
+                    await asyncio.sleep(0.005)
+            pids = backends_of(dsn, app)
+            if how == "cancel-then-close":
+                waiter.cancel()
+            await holder.close()
+            [outcome] = await asyncio.gather(waiter, return_exceptions=True)
+            assert isinstance(outcome, pgcoord.LockLost if how == "close-while-it-waits"
+                              else asyncio.CancelledError), repr(outcome)
+            # Generous against the milliseconds a backend takes to exit.
+            assert await seconds_until_gone(dsn, [app], pids) < 0.5

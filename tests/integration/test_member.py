@@ -20,7 +20,7 @@ import pgcoord
 import pgcoord.migrations
 from pgcoord.member import NameTaken
 
-from .conftest import sql
+from .conftest import backends_of, seconds_until_gone, sql
 
 REPLICA = str(Path(__file__).with_name("member_replica.py"))
 DRIVERS = ["asyncpg", "psycopg"]
@@ -561,6 +561,18 @@ def member_backends(dsn: str, app: str) -> list[tuple[int, str, str | None]]:
              " where application_name in (%s, %s)", app, app + "/watch")]
 
 
+async def watcher_just_started_its_wait(dsn: str, app: str) -> None:
+    """Until the watcher of the member named ``app`` is in a wait on the server (asleep,
+    or queued for a lock) that began under 100 ms ago: closing then, the server's own
+    look at a gone client (a second after the start) is still far away."""
+    async with asyncio.timeout(10):
+        while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
+                       " and state = 'active' and clock_timestamp() - query_start < interval '100 ms'"
+                       " and (wait_event_type = 'Lock' or query like '%%member_idle%%')",
+                  app + "/watch") != [(1,)]:
+            await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("watching", ["nobody", "a-neighbour"])
 async def test_a_closed_member_leaves_no_backend_and_no_lock_behind(dsn: str, driver: str, watching: str) -> None:
@@ -580,14 +592,7 @@ async def test_a_closed_member_leaves_no_backend_and_no_lock_behind(dsn: str, dr
             app = f"closing-{uuid.uuid4().hex[:6]}"
             member = pgcoord.Member(dsn, group=group(), ttl=30, application_name=app, driver=driver)
             await member.open()
-            # Close just after the watcher's statement started, so that the server's
-            # own look at a gone client (a second after the start) is still far away.
-            async with asyncio.timeout(10):
-                while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
-                               " and state = 'active' and clock_timestamp() - query_start < interval '100 ms'"
-                               " and (wait_event_type = 'Lock' or query like '%%member_idle%%')",
-                          app + "/watch") != [(1,)]:
-                    await asyncio.sleep(0.005)
+            await watcher_just_started_its_wait(dsn, app)
             pids = [p for p, _, _ in member_backends(dsn, app)]
             assert len(pids) == 2
             await member.close()
@@ -599,5 +604,31 @@ async def test_a_closed_member_leaves_no_backend_and_no_lock_behind(dsn: str, dr
             # under what the server's own look left (the rest of a second).
             assert time.monotonic() - closed < 0.5, "a backend of the closed member outlived it"
             assert sql(dsn, "select count(*) from pg_locks where pid = any(%s)", pids) == [(0,)]
+    finally:
+        await neighbour.close()
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+async def test_a_member_closed_just_after_its_session_was_ended_leaves_no_backend_behind(
+        dsn: str, driver: str) -> None:
+    """Its main session ended by the server (pg_terminate_backend), the member cannot
+    cancel its watcher's statement from there: close() relies on the driver's own
+    cancel. Before, with asyncpg, that cancel request was dropped when the session was
+    closed under it, and the watcher's backend outlived close() by up to a second
+    (9 closes in 15 in a helper's reproduction)."""
+    neighbour = pgcoord.Member(dsn, group=group(), ttl=30, application_name=f"lost-{uuid.uuid4().hex[:6]}")
+    await neighbour.open()
+    try:
+        for delay in (0.0, 0.005, 0.02, 0.05):
+            app = f"lost-{uuid.uuid4().hex[:6]}"
+            member = pgcoord.Member(dsn, group=group(), ttl=30, application_name=app, driver=driver)
+            await member.open()
+            await watcher_just_started_its_wait(dsn, app)
+            pids = backends_of(dsn, app, app + "/watch")
+            assert len(pids) == 2
+            sql(dsn, "select pg_terminate_backend(pid) from pg_stat_activity where application_name = %s", app)
+            await asyncio.sleep(delay)
+            await member.close()
+            assert await seconds_until_gone(dsn, [app, app + "/watch"], pids) < 0.5, f"closed {delay} s after"
     finally:
         await neighbour.close()
