@@ -274,9 +274,11 @@ class AsyncpgDedicated(DedicatedSession):
         # doorbell wait stayed queued until its lock_timeout, a ttl). Let it go out
         # first, briefly (a network that does not answer is not waited for).
         cancels = [t for t in getattr(self._raw, "_cancellations", ()) if not t.done()]
-        if cancels:
-            await asyncio.wait(cancels, timeout=CANCEL_SEND_BOUND)
-        self.terminate()
+        try:
+            if cancels:
+                await asyncio.wait(cancels, timeout=CANCEL_SEND_BOUND)
+        finally:
+            self.terminate()  # cancelled in that wait or not, the connection is closed
         if self._lender is not None:
             await self._lender.discard(self.conn)
 
