@@ -346,15 +346,25 @@ class Supervisor:
             self._log.error("%s: background task %s failed", self.owner, name, exc_info=error)
 
     async def stop(self) -> None:
-        """Cancel every task and wait until each has ended (their errors are not raised)."""
+        """Cancel every task and wait until each has ended (their errors are not raised).
+        A cancellation of the caller meanwhile is raised once they have all ended."""
         tasks, self._tasks = set(self._tasks), set()
         for task in tasks:
             task.cancel()
+        caller = asyncio.current_task()
+        asked = caller.cancelling() if caller is not None else 0
+        cancelled = False
         for task in tasks:
             try:
                 await task
             except asyncio.CancelledError:
-                if not task.cancelled():
-                    raise  # the caller itself was cancelled meanwhile
+                # The task ends cancelled either way: only the caller's own count of
+                # cancellations tells whether it was cancelled too (a check of the
+                # task alone lost that cancellation, and a Member's close() waited
+                # for ever on a runner that had rejoined instead).
+                if not task.cancelled() or (caller is not None and caller.cancelling() > asked):
+                    cancelled = True
             except Exception:
                 pass
+        if cancelled:
+            raise asyncio.CancelledError

@@ -4,10 +4,11 @@ cancellation that arrives meanwhile is delivered afterwards."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
-from pgcoord._core.aio import CleanupTimeout, finish_despite_cancel
+from pgcoord._core.aio import CleanupTimeout, Supervisor, finish_despite_cancel
 
 
 async def test_a_cleanup_that_never_suspends_returns_its_value() -> None:
@@ -155,3 +156,32 @@ async def test_a_driver_wait_for_in_the_cleanup_never_cancels_the_caller() -> No
     assert await finish_despite_cancel(cleanup(), bound=5) == "answered"
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
+
+
+async def test_a_supervisor_stop_delivers_its_caller_s_cancellation_though_its_tasks_end_cancelled() -> None:
+    """The caller of stop() cancelled while it waits for a task that takes a moment to
+    end its cancellation (a driver cancelling its statement): the tasks all end, and
+    the caller is cancelled. Before, a task ending cancelled hid the caller's own
+    cancellation: a Member's runner went on to join again, and close() waited for it
+    for ever."""
+    supervisor = Supervisor("test", logging.getLogger("test"))
+    ended: list[str] = []
+
+    async def slow_to_end(name: str) -> None:
+        try:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await finish_despite_cancel(asyncio.sleep(0.05))
+        finally:
+            ended.append(name)
+
+    for name in ("a", "b"):
+        supervisor.spawn(slow_to_end(name), name)
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(supervisor.stop())
+    await asyncio.sleep(0.01)
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    assert sorted(ended) == ["a", "b"]
