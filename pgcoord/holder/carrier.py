@@ -364,6 +364,10 @@ class Carrier:
         try:
             async with self._io:
                 self._io_owner = "cleanup"
+                # A body that got its lock while the holder was closing (a wait
+                # granted, a try answered, as close() awaited): told before the
+                # give-back releases its lock under it, as close() tells the others.
+                self._tell_holding("the LockHolder was closed while the lock was held")
                 self._unlock_exclusive, self._unlock_shared = [], []
                 row = await self.conn.fetchrow(_GIVE_BACK, *self.saved)
                 assert row is not None
@@ -384,6 +388,12 @@ class Carrier:
                 raise
 
 
+    def _tell_holding(self, reason: str) -> None:
+        for held, task in list(self.holding.items()):
+            if held.lost_reason is None and task is not self.holder._closing_task:
+                held.lost_reason = reason
+                task.cancel(f"pgcoord: lock lost: {reason}")
+
     async def _let_go_of_shared(self) -> None:
         """Retire on a member's session: send the unlocks not yet sent and undo the
         locks still held by bodies, key by key; the session itself stays."""
@@ -395,6 +405,7 @@ class Carrier:
         try:
             async with self._io:
                 self._io_owner = "cleanup"
+                self._tell_holding("the LockHolder was closed while the lock was held")
                 await self._send_unlocks()
                 keys = [(held.request.key, held.request.shared)  # type: ignore[union-attr]
                         for held in list(self.holding) if not _is_lane(held)]

@@ -79,6 +79,9 @@ log = logging.getLogger("pgcoord.session")
 
 T = TypeVar("T")
 
+#: How long close() gives the main session to cancel its waiting sessions' lock waits.
+CANCEL_WAITS_BOUND = 1.0
+
 @functools.lru_cache(maxsize=4096, typed=True)
 def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
     """Requests are immutable and services reuse their keys: validate each once."""
@@ -189,6 +192,7 @@ class LockHolder:
             {} if self._member is None else self._member.holder_queues)
         self._tasks = Supervisor("lock holder", log)  # deferred unlocks, discards
         self._open = False
+        self._closing_task: asyncio.Task[Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -208,15 +212,22 @@ class LockHolder:
         """Release every lock and give every connection back. Safe to call twice.
 
         Each give-back is bounded (``min(5 s, keepalive)``); one that runs past it
-        closes its connection instead, and close() returns all the same."""
+        closes its connection instead, and close() returns all the same. A
+        cancellation of the caller is delivered once the close is over: a close
+        cut short would leave the sessions (kept alive by their probes) and their
+        locks behind."""
         self._open = False
+        self._closing_task = asyncio.current_task()
+        await finish_despite_cancel(self._close(), bound=None)
+
+    async def _close(self) -> None:
         carriers, self._main = list(self._carriers), None
         # A body still inside `async with holder.lock(...)` is about to lose its lock
         # with the give-back: it is told (cancelled, then LockLost), never left to run
         # its critical section unlocked.
         for carrier in carriers:
             for held, body in list(carrier.holding.items()):
-                if held.lost_reason is None and body is not asyncio.current_task():
+                if held.lost_reason is None and body is not self._closing_task:
                     held.lost_reason = "the LockHolder was closed while the lock was held"
                     body.cancel(f"pgcoord: lock {held.request.describe()} lost: {held.lost_reason}")
         waiting = [c for c in carriers if c.dedicated and not c.holding and not c.lost]
@@ -226,10 +237,18 @@ class LockHolder:
             # client check (client_connection_check_interval, a second), and stays in
             # the lock's queue until then (granted the lock, it holds it a moment):
             # cut the waits short from the main session first.
-            with contextlib.suppress(CleanupTimeout, Exception):
+            try:
                 await finish_despite_cancel(
                     main.call(query("holder_cancel_waits"), [c.conn.backend_pid for c in waiting]),
-                    bound=self._cleanup_bound)
+                    bound=min(CANCEL_WAITS_BOUND, self._cleanup_bound), on_timeout=main.overran)
+            except CleanupTimeout:
+                # Only a speed-up (the server's client check ends the waits within a
+                # second anyway); a session that does not answer is as good as gone,
+                # and its give-back would wait a whole bound again.
+                main.mark_lost(f"no answer to cancelling the lock waits within "
+                               f"{min(CANCEL_WAITS_BOUND, self._cleanup_bound):.1f}s")
+            except Exception:
+                pass
         for carrier in carriers:
             if carrier.dedicated and not carrier.holding:
                 # Still waiting for its lock: no one will hold it now.
@@ -519,6 +538,12 @@ class HeldLock:
             self._entered = False
             holder._release_local(key)
             raise
+        if carrier.lost or carrier.retired:
+            # Granted as the holder closed and gave the session up: not held now.
+            self._entered = False
+            holder._release_local(key)
+            raise LockLost(f"lock {request.describe()} lost: "
+                           f"{carrier.lost_reason or 'the LockHolder was closed'}")
         self.carrier = carrier
         self.lost_reason, self.lost_in_own_task = None, False
         carrier.holding[self] = asyncio.current_task()  # type: ignore[assignment]
@@ -543,6 +568,10 @@ class HeldLock:
         """Wait on a connection of its own, so the main one stays free."""
         holder, request = self.holder, self.request
         carrier = await holder._waiting_carrier(request)
+        if not holder._open:
+            # close() came while this session was being opened, and never saw it.
+            await holder._retire(carrier)
+            raise LockLost(f"the LockHolder was closed before lock {request.describe()} was waited for")
         remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
         waiting = LockRequest(request.key, wait=True, timeout=remaining, shared=request.shared,
                               scope="session")
