@@ -387,8 +387,8 @@ class Carrier:
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
-
     def _tell_holding(self, reason: str) -> None:
+        """Cancel each body still holding a lock on this session, but the closing task."""
         for held, task in list(self.holding.items()):
             if held.lost_reason is None and task is not self.holder._closing_task:
                 held.lost_reason = reason

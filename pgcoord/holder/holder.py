@@ -82,6 +82,7 @@ T = TypeVar("T")
 #: How long close() gives the main session to cancel its waiting sessions' lock waits.
 CANCEL_WAITS_BOUND = 1.0
 
+
 @functools.lru_cache(maxsize=4096, typed=True)
 def _request(key: LockKeyLike, wait: bool, timeout: float | None, shared: bool) -> LockRequest:
     """Requests are immutable and services reuse their keys: validate each once."""
