@@ -279,8 +279,11 @@ async def test_a_stopped_follower_leaves_the_doorbell_queue_at_once(dsn: str, dr
             assert len(pids) == 1
             await follower.stop()
             await following
-            # Generous against the milliseconds a backend takes to exit.
-            assert await seconds_until_gone(dsn, [app], pids) < 0.5
+            # asyncpg: generous against the milliseconds a backend takes to exit. The
+            # oldest psycopg allowed (3.2.x) may close under the statement before its
+            # cancel request is out (CI saw 0.75 s): then the session's client check
+            # (a second) ends the wait, where before it lasted a ttl.
+            assert await seconds_until_gone(dsn, [app], pids) < (0.5 if driver == "asyncpg" else 1.5)
             assert doorbell_waiters(dsn, name) == 0
     finally:
         await leader.stop()
