@@ -381,6 +381,14 @@ def test_bad_arguments_raise_at_construction() -> None:
         holder.lock(1.5)  # type: ignore[arg-type]
 
 
+async def one_waits_for_a_lock(dsn: str, app: str) -> None:
+    """Until one backend named ``app`` waits for a lock on the server."""
+    async with asyncio.timeout(10):
+        while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
+                       " and wait_event_type = 'Lock'", app) != [(1,)]:
+            await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
 @pytest.mark.parametrize("how", ["close-while-it-waits", "cancel-then-close"])
 async def test_closing_a_holder_ends_its_lock_waits_on_the_server(dsn: str, driver: str, how: str) -> None:
@@ -402,10 +410,7 @@ async def test_closing_a_holder_ends_its_lock_waits_on_the_server(dsn: str, driv
                     await asyncio.sleep(3600)
 
             waiter = asyncio.create_task(wait_for_the_lock())
-            async with asyncio.timeout(10):
-                while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
-                               " and wait_event_type = 'Lock'", app) != [(1,)]:
-                    await asyncio.sleep(0.005)
+            await one_waits_for_a_lock(dsn, app)
             pids = backends_of(dsn, app)
             if how == "cancel-then-close":
                 waiter.cancel()
@@ -442,10 +447,7 @@ async def test_a_lock_granted_as_the_holder_closes_is_never_held_after_close(dsn
                         await asyncio.sleep(0)
 
             body = asyncio.create_task(critical_section())
-            async with asyncio.timeout(10):
-                while sql(dsn, "select count(*) from pg_stat_activity where application_name = %s"
-                               " and wait_event_type = 'Lock'", app) != [(1,)]:
-                    await asyncio.sleep(0.005)
+            await one_waits_for_a_lock(dsn, app)
             pids = backends_of(dsn, app)
             jitter = random.uniform(-0.002, 0.004)
             if jitter < 0:
